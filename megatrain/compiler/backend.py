@@ -1,0 +1,156 @@
+"""`torch.compile(model, backend="megatrain")`: the pipeline, stage by stage.
+
+    options -> capture (re-home onto the device, fetch per region) -> AOTAutograd with the
+    region-checkpointing partition -> transfer schedule + FX transfer nodes (per graph, with
+    the device budget proven) -> lowering (Inductor) -> runtime (streamer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (keeps dynamo's registry warm)
+from torch._functorch.aot_autograd import aot_module_simplified
+
+from ..errors import MegatrainValueError, format_bytes
+from ..runtime import streamer as streamer_mod
+from ..runtime.host_store import home_parameters
+from . import explain as explain_mod
+from .capture import check_inputs, rehome
+from .lower import lower
+from .options import Options, parse_options
+from .partition import make_partition_fn
+from .passes import insert_transfers
+from .plan import GraphPlan
+
+_seen_breaks = 0
+
+
+def _warn_graph_breaks() -> None:
+    """Dynamo records why it split the frame before it calls us for the first piece."""
+    global _seen_breaks
+    from torch._dynamo.utils import counters
+
+    if not counters.get("unimplemented") and not counters.get("graph_break"):
+        _seen_breaks = 0  # counters were reset (torch._dynamo.reset())
+
+    # A break at top level lands in "graph_break"; one inside a loop makes dynamo skip the
+    # frame and compile its callees, recorded under "unimplemented".
+    breaks = {**counters.get("unimplemented", {}), **counters.get("graph_break", {})}
+    total = sum(counters.get("unimplemented", {}).values()) + sum(counters.get("graph_break", {}).values())
+    if total > _seen_breaks:
+        reasons = "; ".join(str(r).splitlines()[0] for r in list(breaks)[-3:])
+        warnings.warn(
+            f"megatrain: the model has a graph break ({reasons}); each graph streams on its own "
+            f"and trains correctly, but transfers do not overlap across the break", stacklevel=2)
+    _seen_breaks = total
+
+
+def _check_region_budget(regions, params, region_params, opts: Options) -> None:
+    from ..runtime.layout import FlatLayout
+
+    itemsize = opts.compute_dtype.itemsize
+    worst = None
+    for r in regions:
+        pids = region_params.get(r.id, [])
+        if not pids:
+            continue
+        need = FlatLayout.of([params[i].shape for i in pids]).numel * itemsize
+        if worst is None or need > worst[0]:
+            worst = (need, r.name)
+    if worst is not None and worst[0] > opts.gpu_memory:
+        raise MegatrainValueError(
+            f"gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)}) cannot hold even one "
+            f"region: region {worst[1]!r} needs {worst[0]} bytes ({format_bytes(worst[0])}) of "
+            f"{opts.precision} weights alone; give gpu_memory of at least {worst[0]} bytes plus "
+            f"activations")
+
+
+def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **kwargs):
+    opts = parse_options({**(options or {}), **kwargs})
+    _warn_graph_breaks()
+    check_inputs(gm, example_inputs)
+    params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
+    streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params)
+    sid = streamer_mod.register(streamer)
+    cap = rehome(gm, example_inputs, opts.device, sid)
+    _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
+
+    plan = GraphPlan(regions=cap.regions.regions, slots=opts.prefetch + 1, budget=opts.gpu_memory,
+                     streamer=streamer)
+
+    def schedule(fw, bw, saved, slots):
+        f = insert_transfers(fw, "forward", sid, slots, opts.device, opts.compute_dtype)
+        b = insert_transfers(bw, "backward", sid, slots, opts.device, opts.compute_dtype) if bw is not None else None
+        peak = max(f.predicted_peak_bytes, b.predicted_peak_bytes if b else 0)
+        return f, b, peak
+
+    def on_partition(joint_module, repartition, fw, bw, saved):
+        # The largest prefetch depth whose predicted peak fits the budget; the plan says which.
+        for slots in range(opts.prefetch + 1, 0, -1):
+            if slots != opts.prefetch + 1:
+                fw, bw = repartition()
+            f, b, peak = schedule(fw, bw, saved, slots)
+            if peak <= opts.gpu_memory:
+                break
+        else:
+            raise MegatrainValueError(
+                f"gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)}) is too small: "
+                f"streaming one region at a time still peaks at {peak} bytes ({format_bytes(peak)}) "
+                f"(weights in flight, {format_bytes(saved.bytes)} of saved boundary activations, one "
+                f"region's working set); give gpu_memory >= {peak} bytes or use a smaller batch/sequence")
+        if slots != opts.prefetch + 1:
+            warnings.warn(f"megatrain: prefetch={opts.prefetch} does not fit gpu_memory="
+                          f"{format_bytes(opts.gpu_memory)}; using prefetch={slots - 1}", stacklevel=2)
+        plan.slots = slots
+        plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
+        plan.forward_events, plan.backward_events = f.events, b.events
+        plan.prefetch_count = f.prefetch_count + b.prefetch_count
+        plan.predicted_peak_bytes = peak
+        return fw, bw
+
+    def fw_compiler(fx_gm, inputs):
+        plan.forward_code = fx_gm.code
+        compiled = lower(fx_gm, inputs, opts.lowering, is_backward=False)
+
+        def run(args):
+            streamer.begin_step()
+            return compiled(args)
+
+        run._boxed_call = True
+        return run
+
+    def bw_compiler(fx_gm, inputs):
+        plan.backward_code = fx_gm.code
+        return lower(fx_gm, inputs, opts.lowering, is_backward=True)
+
+    def inference_compiler(fx_gm, inputs):
+        f = insert_transfers(fx_gm, "forward", sid, opts.prefetch + 1, opts.device, opts.compute_dtype)
+        plan.forward_events, plan.prefetch_count = f.events, f.prefetch_count
+        plan.predicted_peak_bytes = f.predicted_peak_bytes
+        return fw_compiler(fx_gm, inputs)
+
+    autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
+                else contextlib.nullcontext())
+    with autocast:
+        compiled = aot_module_simplified(
+            cap.gm, example_inputs,
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+            partition_fn=make_partition_fn(on_partition),
+            decompositions=_decompositions(),
+            keep_inference_input_mutations=True)
+    # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
+    # traced graph does not depend on where the host bytes sit, only the copies do.
+    for r in cap.regions.regions:
+        own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
+        home_parameters(own, pin=opts.device.type == "cuda")
+    explain_mod.record(plan)
+    return compiled
+
+
+def _decompositions():
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()

@@ -1,0 +1,202 @@
+"""Capture: find the parameters of a dynamo graph and re-home the graph onto the device.
+
+In the torch-level graph dynamo hands the backend, every parameter is a placeholder (a real
+CPU `nn.Parameter` in `example_inputs`). Re-homing rewrites the graph so AOTAutograd traces
+it on the compute device while the user keeps everything on the CPU:
+
+    param placeholder  -> megatrain::fetch(param, streamer, region, param_id), one per region
+                          that uses it (a tied weight is fetched where needed; autograd sums
+                          the gradient contributions)
+    data placeholder   -> .to(device)          (mutated inputs are copied back at the end)
+    device('cpu') args and device-less factory calls -> the compute device
+    tensor outputs     -> .to('cpu')
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..errors import MegatrainTypeError, MegatrainValueError, UnsupportedError
+from . import ops
+from .regions import Region, RegionMap, assign_regions
+
+_FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand,
+              torch.randn, torch.randint, torch.randperm, torch.tensor, torch.linspace,
+              torch.logspace, torch.eye, torch.scalar_tensor}
+_SOURCE_KEY = re.compile(r"\.?_(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]")
+
+
+@dataclass
+class Capture:
+    gm: fx.GraphModule
+    params: list[torch.nn.Parameter]  # indexed by param_id
+    fqns: list[str]
+    regions: RegionMap
+    region_params: dict[int, list[int]]  # region id -> param ids it fetches, in fetch order
+
+
+def parameter_fqn(node: fx.Node) -> str:
+    """'L['self']._modules['layers']._modules['0']._parameters['weight']' -> 'layers.0.weight'."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    name = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", None)
+    if isinstance(name, str):
+        keys = _SOURCE_KEY.findall(name)
+        if keys:
+            return ".".join(keys)
+    return node.name
+
+
+def _module_of(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "<top level>"
+    from .regions import module_path
+
+    entry = list(stack.values())[-1]
+    return module_path(entry[0] if isinstance(entry, tuple) else str(entry)) or "<top level>"
+
+
+def check_inputs(gm: fx.GraphModule, example_inputs) -> None:
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    for node, x in zip(placeholders, example_inputs):
+        if not isinstance(x, torch.Tensor):
+            continue
+        what = f"parameter {parameter_fqn(node)!r}" if isinstance(x, torch.nn.Parameter) else f"input {node.name!r}"
+        if x.device.type != "cpu":
+            raise MegatrainValueError(
+                f"{what} is on {x.device}; megatrain streams from host memory: keep the model and "
+                f"its inputs on the CPU (call model.cpu() and pass CPU tensors) and choose the compute "
+                f"device with options={{'device': 'cuda'}}")
+        if isinstance(x, torch.nn.Parameter):
+            if not x.dtype.is_floating_point:
+                raise MegatrainTypeError(
+                    f"{what} has dtype {x.dtype}; megatrain streams floating-point parameters only: "
+                    f"register it as a buffer instead")
+            if x.layout != torch.strided:
+                raise UnsupportedError(
+                    f"{what} has layout {x.layout}; megatrain streams dense (strided) parameters only")
+
+
+def _replace_device_constants(gm: fx.GraphModule, device: torch.device) -> None:
+    cpu = torch.device("cpu")
+
+    def fix(a):
+        if isinstance(a, torch.device) and a == cpu:
+            return device
+        if isinstance(a, str) and a == "cpu":
+            return str(device)
+        return a
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        if node.op == "call_method" and node.target in ("to", "cpu"):
+            continue  # explicit user transfers keep their meaning; outputs are handled below
+        node.args = fx.node.map_aggregate(node.args, fix)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
+        if node.op == "call_function" and node.target in _FACTORIES and node.kwargs.get("device") is None:
+            node.kwargs = {**node.kwargs, "device": device}
+
+
+def _mutated(node: fx.Node) -> bool:
+    """Whether some user mutates `node` in place (method `x.add_()`, `x[i] = v`, `x.copy_()`)."""
+    for user in node.users:
+        if user.op == "call_method" and user.target.endswith("_") and not user.target.endswith("__") \
+                and user.args and user.args[0] is node:
+            return True
+        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is node:
+            return True
+        if user.op == "call_function" and getattr(user.target, "__name__", "").endswith("_") \
+                and not getattr(user.target, "__name__", "").endswith("__") and user.args and user.args[0] is node:
+            return True
+    return False
+
+
+def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id: int) -> Capture:
+    check_inputs(gm, example_inputs)
+    graph = gm.graph
+    region_map = assign_regions(graph)
+    placeholders = graph.find_nodes(op="placeholder")
+    params: list[torch.nn.Parameter] = []
+    fqns: list[str] = []
+    region_params: dict[int, list[int]] = {}
+    last_placeholder = placeholders[-1] if placeholders else None
+    writebacks: list[tuple[fx.Node, fx.Node]] = []
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    for node, x in zip(placeholders, example_inputs):
+        if isinstance(x, torch.nn.Parameter):
+            pid = len(params)
+            params.append(x)
+            fqns.append(parameter_fqn(node))
+            by_region: dict[int, list[fx.Node]] = {}
+            for user in list(node.users):
+                r = region_map.of_node.get(user)
+                if r is None:
+                    continue
+                by_region.setdefault(r, []).append(user)
+            for r, users in by_region.items():
+                first = min(users, key=order.__getitem__)
+                with graph.inserting_before(first):
+                    f = graph.call_function(ops.FETCH, (node, streamer_id, r, pid))
+                f.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack") or {})
+                f.meta["custom"] = {"megatrain_region": r}
+                region_map.of_node[f] = r
+                for u in users:
+                    u.replace_input_with(node, f)
+                region_params.setdefault(r, []).append(pid)
+        elif isinstance(x, torch.Tensor) and device.type != "cpu":
+            with graph.inserting_after(last_placeholder):
+                moved = graph.call_method("to", (node,), {"device": device})
+            users = [u for u in node.users if u is not moved]
+            for u in users:
+                u.replace_input_with(node, moved)
+            if users:
+                r = min((region_map.of_node[u] for u in users if u in region_map.of_node), default=None)
+                if r is not None:
+                    moved.meta["custom"] = {"megatrain_region": r}
+                    region_map.of_node[moved] = r
+            if _mutated(moved):
+                writebacks.append((node, moved))
+
+    for node, r in region_map.of_node.items():
+        node.meta.setdefault("custom", {})["megatrain_region"] = r
+
+    if device.type != "cpu":
+        _replace_device_constants(gm, device)
+        output = graph.find_nodes(op="output")[0]
+        last_region = max(region_map.of_node.values(), default=None)
+        with graph.inserting_before(output):
+            for src, moved in writebacks:
+                wb = graph.call_method("copy_", (src, moved))
+                if last_region is not None:
+                    wb.meta["custom"] = {"megatrain_region": last_region}
+
+            def to_host(a):
+                if isinstance(a, fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor) \
+                        and a.op != "placeholder":
+                    n = graph.call_method("to", (a,), {"device": torch.device("cpu")})
+                    if last_region is not None:
+                        n.meta["custom"] = {"megatrain_region": last_region}
+                    return n
+                return a
+
+            output.args = fx.node.map_arg(output.args, to_host)
+
+    _fill_region_params(region_map.regions, region_params, params, fqns)
+    graph.lint()
+    gm.recompile()
+    return Capture(gm, params, fqns, region_map, region_params)
+
+
+def _fill_region_params(regions: list[Region], region_params, params, fqns) -> None:
+    for r in regions:
+        pids = region_params.get(r.id, [])
+        r.param_fqns = [fqns[i] for i in pids]
+        r.param_bytes = sum(params[i].numel() * params[i].element_size() for i in pids)

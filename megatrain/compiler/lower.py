@@ -1,0 +1,30 @@
+"""Lowering: compile a scheduled forward/backward graph for the compute device.
+
+"inductor" hands the graph to Inductor's inner compiler (Triton kernels on GPU, C++ on
+CPU); megatrain's transfer ops stay opaque extern calls in their FX order (reordering
+passes that could move them are switched off). "eager" runs the scheduled FX graph as is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+
+# Inductor passes that reorder nodes would move prefetch/evict away from where the
+# schedule put them; the schedule already decides memory, so they are off.
+INDUCTOR_PATCHES = {
+    "reorder_for_peak_memory": False,
+    "reorder_for_locality": False,
+}
+
+
+def lower(gm: fx.GraphModule, example_inputs, lowering: str, is_backward: bool):
+    if lowering == "eager":
+        return make_boxed_func(gm.forward)
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    patches = {k: v for k, v in INDUCTOR_PATCHES.items() if hasattr(inductor_config, k)}
+    with inductor_config.patch(patches):
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward)

@@ -1,0 +1,114 @@
+"""The backend's options: parsed and validated once, at entry, into a typed dataclass."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..errors import MegatrainTypeError, MegatrainValueError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str, name: str = "gpu_memory") -> int:
+    """Bytes from an int or a string like '16GiB', '512 MB', '1.5e9'."""
+    if isinstance(value, bool):
+        raise MegatrainTypeError(f"{name}={value!r}: give bytes as an int or a string like '16GiB'")
+    if isinstance(value, (int, float)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise MegatrainValueError(
+                f"{name}={value!r} is not a size: use bytes or a string like '16GiB', '512MB'")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise MegatrainTypeError(f"{name}={value!r}: give bytes as an int or a string like '16GiB'")
+    if n <= 0:
+        raise MegatrainValueError(f"{name}={value!r} must be positive")
+    return n
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `torch.compile(model, backend="megatrain", options={...})` accepts.
+
+    device: where compute runs ("cuda", "cuda:1", "cpu"); the model and inputs stay on the CPU.
+    gpu_memory: hard budget, in bytes, for megatrain's device memory (weights in flight,
+        saved activations, one region's working set). Default: the device's free memory
+        (CUDA) or 4 GiB (CPU device).
+    precision: "bf16" computes in bfloat16 from the fp32 host master; "fp32" computes in fp32
+        and matches eager training to float tolerance.
+    prefetch: regions fetched ahead of the one computing (1 = double buffering).
+    lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
+        "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
+    """
+
+    device: torch.device
+    gpu_memory: int
+    precision: str = "bf16"
+    prefetch: int = 1
+    lowering: str = "inductor"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
+_PRECISIONS = ("bf16", "fp32")
+_LOWERINGS = ("inductor", "eager")
+
+
+def parse_options(options: dict | None) -> Options:
+    options = dict(options or {})
+    known = {f.name for f in fields(Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise MegatrainValueError(
+            f"unknown megatrain option(s) {unknown}; the options are {sorted(known)}")
+
+    raw_device = options.get("device", "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(raw_device)
+    except (RuntimeError, TypeError) as e:
+        raise MegatrainValueError(f"device={raw_device!r} is not a device: use 'cuda' or 'cpu'") from e
+    if device.type not in ("cuda", "cpu"):
+        raise MegatrainValueError(f"device={raw_device!r}: megatrain computes on 'cuda' or 'cpu'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MegatrainValueError(
+                f"device={raw_device!r} but this torch sees no CUDA GPU: use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+
+    if "gpu_memory" in options and options["gpu_memory"] is not None:
+        gpu_memory = parse_bytes(options["gpu_memory"])
+    elif device.type == "cuda":
+        gpu_memory = torch.cuda.mem_get_info(device)[0]
+    else:
+        gpu_memory = 4 * 1024**3
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if gpu_memory > total:
+            raise MegatrainValueError(
+                f"gpu_memory={gpu_memory} bytes exceeds the {total} bytes of {device}: "
+                f"give at most the device's memory")
+
+    precision = options.get("precision", "bf16")
+    if precision not in _PRECISIONS:
+        raise MegatrainValueError(f"precision={precision!r}: use one of {_PRECISIONS}")
+
+    prefetch = options.get("prefetch", 1)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise MegatrainValueError(
+            f"prefetch={prefetch!r}: give the number of regions fetched ahead, an int >= 0")
+
+    lowering = options.get("lowering", "inductor")
+    if lowering not in _LOWERINGS:
+        raise MegatrainValueError(f"lowering={lowering!r}: use one of {_LOWERINGS}")
+    return Options(device=device, gpu_memory=gpu_memory, precision=precision,
+                   prefetch=prefetch, lowering=lowering)

@@ -1,0 +1,146 @@
+"""megatrain's partition function: save region-boundary activations, recompute the rest.
+
+Every forward node of the joint graph is tagged for torch's partitioner
+(`node.meta["recompute"]`, the selective-checkpointing policy):
+    MUST_SAVE       an activation produced in one region and consumed in another (the
+                    region's output, e.g. a layer's residual stream), or a random op's
+                    output (recomputing it would draw a different mask);
+    MUST_RECOMPUTE  everything else: intermediates inside a region, every `fetch` (the
+                    backward re-fetches the weight instead of keeping the device copy) and
+                    everything derived from weights alone.
+So in backward each region recomputes its forward with its weights resident once: the
+weights cross PCIe twice per step, and no weight-derived tensor is ever saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import ops
+from .sizes import tensor_nbytes
+
+
+def region_of(node: fx.Node) -> int | None:
+    if node.op == "call_function" and node.target is ops.FETCH:
+        return node.args[2]
+    custom = node.meta.get("custom") or {}
+    return custom.get("megatrain_region")
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+def _is_sym(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+@dataclass
+class JointAnalysis:
+    backward: set[fx.Node]
+    data_dependent: set[fx.Node]  # depends on a non-parameter input (an activation)
+
+
+def analyse(graph: fx.Graph) -> JointAnalysis:
+    backward: set[fx.Node] = set()
+    data: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if _is_tangent(node):
+                backward.add(node)
+            elif not node.users or not all(u.target is ops.FETCH for u in node.users):
+                data.add(node)
+            continue
+        inputs = node.all_input_nodes
+        if any(i in backward for i in inputs):
+            backward.add(node)
+        if node.target is not ops.FETCH and any(i in data for i in inputs):
+            data.add(node)
+    return JointAnalysis(backward, data)
+
+
+def tag_for_region_checkpointing(graph: fx.Graph) -> JointAnalysis:
+    info = analyse(graph)
+    for node in graph.nodes:
+        if node.op != "call_function" or node in info.backward or _is_sym(node):
+            continue
+        if _is_random(node):
+            policy = CheckpointPolicy.MUST_SAVE
+        elif node.target is ops.FETCH or node not in info.data_dependent:
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        else:
+            here = region_of(node)
+            crosses = any(
+                u.op == "call_function" and u not in info.backward and region_of(u) != here
+                for u in node.users)
+            policy = CheckpointPolicy.MUST_SAVE if crosses else CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["recompute"] = policy
+    return info
+
+
+@dataclass
+class SavedActivations:
+    names: list[str] = field(default_factory=list)
+    bytes: int = 0
+
+
+def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> SavedActivations:
+    out = fw.graph.find_nodes(op="output")[0]
+    saved = SavedActivations()
+    for node in out.args[0][num_fwd_outputs:]:
+        if not isinstance(node, fx.Node):
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            saved.names.append(node.name)
+            if node.op != "placeholder":
+                saved.bytes += tensor_nbytes(val)
+    return saved
+
+
+def check_saved(fw: fx.GraphModule, num_fwd_outputs: int, info: JointAnalysis) -> None:
+    names = {n.name for n in info.data_dependent}
+    out = fw.graph.find_nodes(op="output")[0]
+    for node in out.args[0][num_fwd_outputs:]:
+        if not isinstance(node, fx.Node) or node.op == "placeholder":
+            continue
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if node.target is ops.FETCH or node.name not in names:
+            raise AssertionError(
+                f"megatrain partition saved weight-derived tensor {node.name} ({node.target}); "
+                f"weights must be re-fetched in backward, never kept")
+
+
+def make_partition_fn(on_partition=None):
+    """A partition_fn for aot_module_simplified.
+
+    `on_partition(joint, repartition, fw, bw, saved) -> (fw, bw)` schedules the two graphs;
+    `repartition()` returns a fresh (fw, bw) pair, so the caller can try another schedule.
+    """
+
+    def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
+        from torch._functorch.partitioners import default_partition
+
+        info = tag_for_region_checkpointing(joint_module.graph)
+
+        def repartition():
+            fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            check_saved(fw, num_fwd_outputs, info)
+            return fw, bw
+
+        fw, bw = repartition()
+        if on_partition is not None:
+            fw, bw = on_partition(joint_module, repartition, fw, bw, saved_activations(fw, num_fwd_outputs))
+        return fw, bw
+
+    return partition

@@ -1,0 +1,88 @@
+"""Regions: which layer every node of the torch-level graph belongs to.
+
+A region is the unit of streaming: its weights are fetched together, its boundary
+activations are the only ones saved for backward. Rule, from `node.meta["nn_module_stack"]`
+only (no model names): the outermost module on a node's stack whose path ends in an index
+(`layers.3`, `h.11`, `encoder.layer.0`) is a repeated child of a ModuleList/Sequential,
+i.e. a layer. Every maximal run of other nodes between layers forms one outer region:
+"prologue" (embeddings, rotary tables), "epilogue" (final norm, head, loss), or
+"between(<layer>)" for glue between two layers.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+_ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\]|L__self__|self)\.?")
+_MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+_INDEX = re.compile(r"\[(\d+)\]")
+_GETATTR = re.compile(r"getattr\(([^,]+),\s*['\"](\w+)['\"]\)")
+
+
+def module_path(raw: str) -> str:
+    """'L['self']._modules['layers']._modules['0']' or "L['self'].layers[0]" -> 'layers.0'."""
+    s = raw
+    while _GETATTR.search(s):
+        s = _GETATTR.sub(r"\1.\2", s)
+    s = _MODULES.sub(r".\1", s)
+    s = _INDEX.sub(r".\1", s)
+    s = _ROOT.sub("", s)
+    return s.strip(".")
+
+
+def layer_of(node: fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for entry in stack.values():
+        path = module_path(entry[0] if isinstance(entry, tuple) else str(entry))
+        if path and path.split(".")[-1].isdigit():
+            return path
+    return None
+
+
+@dataclass
+class Region:
+    id: int
+    name: str
+    kind: str  # "layer" or "outer"
+    param_fqns: list[str] = field(default_factory=list)
+    param_bytes: int = 0
+
+
+@dataclass
+class RegionMap:
+    regions: list[Region]
+    of_node: dict[fx.Node, int]
+
+    def __len__(self) -> int:
+        return len(self.regions)
+
+
+def assign_regions(graph: fx.Graph) -> RegionMap:
+    regions: list[Region] = []
+    by_layer: dict[str, int] = {}
+    of_node: dict[fx.Node, int] = {}
+    outer: int | None = None
+    last_layer: str | None = None
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        layer = layer_of(node)
+        if layer is not None:
+            if layer not in by_layer:
+                by_layer[layer] = len(regions)
+                regions.append(Region(len(regions), layer, "layer"))
+            of_node[node] = by_layer[layer]
+            outer, last_layer = None, layer
+            continue
+        if outer is None:
+            name = "prologue" if last_layer is None else f"between({last_layer})"
+            outer = len(regions)
+            regions.append(Region(outer, name, "outer"))
+        of_node[node] = outer
+    # The run after the last layer is the epilogue.
+    if regions and regions[-1].kind == "outer" and by_layer:
+        regions[-1].name = "epilogue"
+    return RegionMap(regions, of_node)

@@ -1,0 +1,41 @@
+"""User-facing errors that reach the caller unwrapped through torch.compile.
+
+Dynamo wraps any exception a backend raises in `BackendCompilerFailed`, except its own
+`ShortenTraceback` family. Our errors join that family so that a user's mistake arrives as
+the ValueError/TypeError it is, naming the value and the fix.
+"""
+
+from __future__ import annotations
+
+import torch._dynamo.exc as _dynamo_exc
+
+_Passthrough = getattr(_dynamo_exc, "ShortenTraceback", Exception)
+
+
+class _UserError(_Passthrough):  # type: ignore[misc, valid-type]
+    def __init__(self, message: str):
+        Exception.__init__(self, message)
+        self.first_useful_frame = None
+
+    def remove_dynamo_frames(self):  # keep the whole traceback: it is short already
+        return self
+
+
+class MegatrainValueError(ValueError, _UserError):
+    """A value the user passed cannot work; the message names it and the fix."""
+
+
+class MegatrainTypeError(TypeError, _UserError):
+    """A value of the wrong kind; the message names it and the fix."""
+
+
+class UnsupportedError(NotImplementedError, _UserError):
+    """A construct megatrain cannot stream; the message names the op and the module."""
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,219 @@
+"""The streaming runtime behind megatrain's transfer ops.
+
+One `Streamer` serves one compiled graph pair (forward, backward). It owns:
+- a host-to-device stream and a device-to-host stream beside the compute stream, ordered
+  with events only (no `record_stream`: it fragments the caching allocator);
+- the device pool accounting that enforces `gpu_memory`;
+- pinned staging for bf16 weights (cast on the host, so PCIe carries 2 bytes per parameter)
+  and for gradients coming back.
+
+Device buffers are allocated on the compute stream at prefetch time, filled on the copy
+stream after an event, and handed to the graph at `wait`, after which the graph owns them:
+Inductor frees them at their last use, in compute-stream order, so they can never be
+recycled while a copy into them is in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import FlatLayout, contiguous_spans
+from .pool import DevicePool
+
+_REGISTRY: list["Streamer"] = []
+_LOCK = threading.Lock()
+
+
+def register(streamer: "Streamer") -> int:
+    with _LOCK:
+        _REGISTRY.append(streamer)
+        return len(_REGISTRY) - 1
+
+
+def get(index: int) -> "Streamer":
+    return _REGISTRY[index]
+
+
+@dataclass
+class _Inflight:
+    flat: torch.Tensor
+    nbytes: int
+    done: object = None  # torch.cuda.Event, or a Future resolving to one
+
+
+@dataclass
+class _PendingGrad:
+    device_grad: torch.Tensor | None
+    staged: torch.Tensor
+    out: torch.Tensor
+    nbytes: int
+    done: object = None
+
+
+@dataclass
+class StepStats:
+    """Bytes moved and device memory seen during the last step (forward + backward)."""
+
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    pool_peak: int = 0
+    cuda_peak: int | None = None
+    cuda_base: int = 0
+    regions_fetched: list = field(default_factory=list)
+
+
+class Streamer:
+    def __init__(self, device: torch.device, compute_dtype: torch.dtype, budget: int,
+                 params: list[torch.nn.Parameter], staging_slots: int = 2):
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.params = params
+        self.pool = DevicePool(budget)
+        self.cuda = device.type == "cuda"
+        self._inflight: dict[int, collections.deque[_Inflight]] = collections.defaultdict(collections.deque)
+        self._pending: list[_PendingGrad] = []
+        self._layouts: dict[tuple, FlatLayout] = {}
+        self.stats = StepStats()
+        self.last_stats: StepStats | None = None
+        if self.cuda:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+            # bf16 casts happen on one host thread, in prefetch order, into a ring of pinned
+            # staging buffers; a buffer is rewritten only after its last copy completed.
+            self._caster = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-h2d")
+            self._staging: list[torch.Tensor | None] = [None] * max(staging_slots, 1)
+            self._staging_free: list[torch.cuda.Event | None] = [None] * max(staging_slots, 1)
+            self._staging_next = 0
+
+    # -- step boundaries -------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.stats = StepStats()
+        self.pool.reset_peak()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.stats.cuda_base = torch.cuda.memory_allocated(self.device)
+
+    def end_step(self) -> None:
+        self.stats.pool_peak = self.pool.peak
+        if self.cuda:
+            self.stats.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self.stats.cuda_base
+        self.last_stats = self.stats
+
+    def layout(self, shapes) -> FlatLayout:
+        key = tuple(tuple(s) for s in shapes)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = FlatLayout.of(shapes)
+        return lay
+
+    # -- weights in ------------------------------------------------------------------
+    def fetch_now(self, param: torch.Tensor) -> torch.Tensor:
+        """Unscheduled fetch (only reached when a graph runs without the transfer pass)."""
+        return param.detach().to(self.device, self.compute_dtype, copy=True)
+
+    def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
+        lay = self.layout([p.shape for p in host_params])
+        nbytes = lay.numel * self.compute_dtype.itemsize
+        self.pool.acquire(nbytes, f"prefetch of region {region}")
+        flat = torch.empty(lay.numel, dtype=self.compute_dtype, device=self.device)
+        spans = contiguous_spans([p.detach() for p in host_params], lay)
+        self.stats.h2d_bytes += nbytes
+        self.stats.regions_fetched.append(region)
+        entry = _Inflight(flat, nbytes)
+        if not self.cuda:
+            for off, n, src in spans:
+                flat[off:off + n].copy_(src)
+        else:
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(self.device))
+            if all(src.dtype == self.compute_dtype and src.is_pinned() for _, _, src in spans):
+                entry.done = self._copy_in(flat, spans, allocated)
+            else:
+                entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated)
+        self._inflight[region].append(entry)
+
+    def _copy_in(self, flat, spans, allocated):
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)
+            for off, n, src in spans:
+                flat[off:off + n].copy_(src, non_blocking=True)
+            done.record(self.h2d_stream)
+        return done
+
+    def _cast_and_copy_in(self, flat, spans, allocated):
+        slot = self._staging_next
+        self._staging_next = (slot + 1) % len(self._staging)
+        if self._staging_free[slot] is not None:
+            self._staging_free[slot].synchronize()
+        need = flat.numel()
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < need:
+            buf = self._staging[slot] = torch.empty(need, dtype=self.compute_dtype, pin_memory=True)
+        for off, n, src in spans:
+            buf[off:off + n].copy_(src)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)
+            flat.copy_(buf[:need], non_blocking=True)
+            done.record(self.h2d_stream)
+        self._staging_free[slot] = done
+        return done
+
+    def wait(self, region: int, numel: int) -> torch.Tensor:
+        queue = self._inflight[region]
+        if not queue:
+            raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
+        entry = queue.popleft()
+        assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
+        if self.cuda:
+            done = entry.done.result() if isinstance(entry.done, concurrent.futures.Future) else entry.done
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return entry.flat
+
+    def evict(self, region: int, flat: torch.Tensor) -> None:
+        self.pool.release(flat.numel() * flat.element_size())
+
+    # -- gradients out -----------------------------------------------------------------
+    def grad_to_host(self, grad: torch.Tensor, param_id: int) -> torch.Tensor:
+        param = self.params[param_id]
+        if grad.device.type == "cpu":
+            return grad.to(param.dtype, copy=True)
+        self._retire_done()
+        nbytes = grad.numel() * grad.element_size()
+        self.pool.acquire(nbytes, f"gradient of parameter {param_id}")
+        self.stats.d2h_bytes += nbytes
+        staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        out = staged if grad.dtype == param.dtype else torch.empty(grad.shape, dtype=param.dtype)
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(produced)
+            staged.copy_(grad, non_blocking=True)
+            done.record(self.d2h_stream)
+        self._pending.append(_PendingGrad(grad, staged, out, nbytes, done))
+        return out
+
+    def _retire_done(self) -> None:
+        for p in self._pending:
+            if p.device_grad is not None and p.done.query():
+                p.device_grad = None
+                self.pool.release(p.nbytes)
+
+    def drain(self) -> None:
+        """Block until every gradient of this backward is on the host, in the parameter's dtype."""
+        for p in self._pending:
+            p.done.synchronize()
+            if p.device_grad is not None:
+                p.device_grad = None
+                self.pool.release(p.nbytes)
+            if p.out is not p.staged:
+                p.out.copy_(p.staged)
+        self._pending.clear()
+        self.end_step()

@@ -9,6 +9,7 @@ before use; gradients stream back. See README.md.
 from .compiler import ops as _ops  # noqa: F401  (registers the megatrain:: custom ops)
 from .compiler.backend import megatrain_backend
 from .compiler.explain import explain
+from .optim import AdamW
 
-__all__ = ["explain", "megatrain_backend"]
+__all__ = ["AdamW", "explain", "megatrain_backend"]
 __version__ = "0.1.0"

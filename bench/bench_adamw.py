@@ -1,0 +1,224 @@
+"""Benchmark megatrain's host AdamW step against torch's fused CPU AdamW at the same threads.
+
+Why: the host optimizer sets the step-time floor once transfers and compute overlap
+(DESIGN.md section 4: ~34 B/param of host memory traffic per step), so megatrain.AdamW must
+run at least at 90% of torch.optim.AdamW(fused=True) on the CPU, and hold 12 B/param.
+
+Paths timed (one full optimizer step over all parameters; median over repeats, interleaved
+so drift and noisy neighbours hit every path alike):
+  torch fused   torch.optim.AdamW(fused=True), gradients in p.grad
+  mt step       megatrain.AdamW.step() with gradients in p.grad (compatibility path)
+  mt submit     megatrain.AdamW.submit() per region, then step() (the runtime's path)
+  mt staging    the same, gradients in two reusable one-region slabs (as the runtime has
+                them; small slabs may sit in cache, so this one can flatter megatrain)
+G params/s = parameters / median seconds. The fused update reads param, grad, m, v and
+writes param, m, v: 28 B/param, so GB/s = 28 x G params/s.
+
+Memory: before the timed paths, the submit path runs alone with gradients in the staging
+slabs, and the growth of the
+process RSS over the parameters' allocation is divided by the parameter count: fp32
+master 4 + m 4 + v 4 = 12 B/param, plus staging.
+
+Usage: python bench/bench_adamw.py [--params N] [--regions 30] [--threads T]
+       [--repeats 9] [--out bench/results/adamw.jsonl]
+Default --params: 1e9 on a box with >= 16 cores and >= 48 GiB available (about a minute
+there), else 64M so the script stays quick on a small machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from megatrain.optim import AdamW  # noqa: E402
+
+
+def rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read the process RSS (no psutil, no /proc/self/status)")
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def default_params() -> int:
+    big = (os.cpu_count() or 1) >= 16 and available_bytes() >= 48 * 2**30
+    return 1_000_000_000 if big else 64_000_000
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment(threads: int) -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
+                                    capture_output=True, text=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", None
+    return {
+        "bench": "adamw", "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def make_regions(n_params: int, n_regions: int) -> list[list[torch.nn.Parameter]]:
+    """``n_regions`` layers of four tensors each (like attention, MLP, norm and bias
+    weights), values in [-1, 1) (no denormals to slow anything)."""
+    per = n_params // n_regions
+    fractions = (0.55, 0.3, 0.149, 0.001)
+    regions = []
+    for r in range(n_regions):
+        size = per + (n_params - per * n_regions if r == n_regions - 1 else 0)
+        sizes = [max(1, int(size * f)) for f in fractions[:-1]]
+        sizes.append(size - sum(sizes))
+        regions.append([torch.nn.Parameter(torch.empty(s).uniform_(-1, 1)) for s in sizes])
+    return regions
+
+
+def submit_step(opt: AdamW, regions, region_grads) -> None:
+    for ps, gs in zip(regions, region_grads):
+        opt.submit(ps, gs)
+    opt.step()
+
+
+def staged_grads(regions):
+    """Per region, gradient views into one of two reusable slabs (the runtime's staging)."""
+    biggest = max(sum(p.numel() for p in ps) for ps in regions)
+    slabs = [torch.empty(biggest).uniform_(-1e-3, 1e-3) for _ in range(2)]
+    out = []
+    for r, ps in enumerate(regions):
+        off, views = 0, []
+        for p in ps:
+            views.append(slabs[r % 2][off: off + p.numel()].view(p.shape))
+            off += p.numel()
+        out.append(views)
+    return out, slabs
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=float, default=None, help="parameter count (e.g. 1e9)")
+    p.add_argument("--regions", type=int, default=30)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--out", default=str(REPO / "bench/results/adamw.jsonl"))
+    args = p.parse_args(argv)
+    n = int(args.params) if args.params else default_params()
+    torch.set_num_threads(args.threads)
+    env = environment(args.threads)
+    print(f"{env['cpu']}  {env['cores']} cores  threads {args.threads}  torch {env['torch']}  "
+          f"commit {env['commit']}")
+    print(f"{n / 1e9:.3f} G params in {args.regions} regions, {args.repeats} repeats")
+
+    rss0 = rss_bytes()
+    regions = make_regions(n, args.regions)
+    params = [q for ps in regions for q in ps]
+    lr = dict(lr=1e-4, weight_decay=0.1)
+
+    # Memory: the runtime's path alone, gradients only in staging.
+    ours = AdamW(params, threads=args.threads, **lr)
+    staged, _slabs = staged_grads(regions)
+    submit_step(ours, regions, staged)  # warm-up: allocates m and v
+    rss_per_param = (rss_bytes() - rss0) / n
+
+    # Throughput: every path on the same parameters, interleaved.
+    grads = [torch.empty_like(q).uniform_(-1e-3, 1e-3) for q in params]
+    region_grads, k = [], 0
+    for ps in regions:
+        region_grads.append(grads[k: k + len(ps)])
+        k += len(ps)
+    ref = torch.optim.AdamW(params, fused=True, **lr)
+
+    def with_grads(opt):
+        for q, g in zip(params, grads):
+            q.grad = g
+        try:
+            return timed(opt.step)
+        finally:
+            for q in params:
+                q.grad = None
+
+    paths = {
+        "torch fused": lambda: with_grads(ref),
+        "mt step": lambda: with_grads(ours),
+        "mt submit": lambda: timed(lambda: submit_step(ours, regions, region_grads)),
+        "mt staging": lambda: timed(lambda: submit_step(ours, regions, staged)),
+    }
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for name, run in paths.items():
+        run()  # warm-up (the torch optimizer allocates its state here)
+    for _ in range(args.repeats):
+        for name, run in paths.items():
+            times[name].append(run())
+
+    base = statistics.median(times["torch fused"])
+    rows = []
+    print(f"{'path':12} {'median s':>9} {'G params/s':>11} {'GB/s':>7} {'vs torch':>9}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        row = {**env, "path": name, "params": n, "regions": args.regions,
+               "repeats": args.repeats, "median_s": med, "gparams_per_s": n / med / 1e9,
+               "gbps_28B": 28 * n / med / 1e9, "ratio_vs_torch_fused": base / med}
+        if name == "mt staging":
+            row["rss_bytes_per_param"] = rss_per_param
+        rows.append(row)
+        print(f"{name:12} {med:9.4f} {row['gparams_per_s']:11.3f} {row['gbps_28B']:7.1f} "
+              f"{row['ratio_vs_torch_fused']:9.3f}")
+    print(f"host RSS growth with megatrain.AdamW, gradients in staging: "
+          f"{rss_per_param:.2f} B/param (12 = fp32 master + m + v)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"appended {len(rows)} rows to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Linear layer + cross entropy without the [N, V] logits, `megatrain::fused_linear_cross_entropy`.
+
+The lm_head's logits are the largest activation of a language model (16k tokens x 128k
+vocab x fp32 = 8 GiB). Liger-style, the forward walks the tokens in chunks: per chunk,
+cuBLAS computes the logits in the input dtype (as HF's lm_head does), one Triton program
+per row finds the log-sum-exp in fp32 with an online max, writes the row's loss, and
+overwrites the logits in place with d loss / d logits = (softmax - onehot) * scale. Two
+more matmuls turn that into this chunk's rows of grad_hidden and its contribution to
+grad_weight, accumulated in fp32 across chunks. The backward only scales the stored
+gradients by grad_output, so nothing is recomputed and no logits are kept.
+
+Reduction "mean" divides by the number of non-ignored tokens, like
+F.cross_entropy(reduction="mean"). One deliberate difference: when every label is
+ignored, torch returns NaN (0/0); we return loss 0 and zero gradients, so a fully padded
+micro-batch does not poison the step. Labels outside [0, V) that are not ignore_index are
+an error (ValueError on CPU, a device-side assert on CUDA, which avoids a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatrain.kernels._common import (
+    check_float,
+    check_same_device,
+    launch_context,
+    num_warps_for,
+)
+
+LOGITS_CHUNK_BYTES = 512 * 2**20  # default budget for one chunk of logits
+
+
+@triton.jit
+def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_vocab, ignore_index,
+                         WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: loss = lse - logit[label]; logits <- (softmax - onehot) * scale, in place."""
+    row = tl.program_id(0).to(tl.int64)
+    LOGITS += row * n_vocab
+    label = tl.load(LABELS + row).to(tl.int64)
+    valid = label != ignore_index
+    m = float("-inf")
+    d = 0.0
+    for v0 in range(0, n_vocab, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        x = tl.load(LOGITS + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(d)
+    target = tl.load(LOGITS + label, mask=valid, other=0.0).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - target, 0.0))
+    if WRITE_GRAD:
+        scale = tl.where(valid, tl.load(SCALE), 0.0)
+        for v0 in range(0, n_vocab, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            mask = cols < n_vocab
+            x = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            g = tl.where(cols == label, p - 1.0, p) * scale
+            tl.store(LOGITS + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
+
+
+def default_chunk_size(n_tokens: int, vocab: int, element_size: int) -> int:
+    """Tokens per chunk: a power of two whose logits fit LOGITS_CHUNK_BYTES.
+
+    Bigger chunks amortise the per-chunk fp32 grad_weight accumulation (a read-modify-
+    write of V x H floats); smaller ones bound the scratch logits. 512 MiB gives 2048
+    tokens at V=128256 in bf16 (accumulation ~15% of the matmul time on an H200).
+    """
+    fit = max(1, LOGITS_CHUNK_BYTES // max(1, vocab * element_size))
+    chunk = 1 << (fit.bit_length() - 1)
+    return max(1, min(chunk, triton.next_power_of_2(max(n_tokens, 1))))
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != ignore_index)
+    if labels.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(f"label {int(labels[bad][0])} is outside [0, {vocab}) and is not "
+                             f"ignore_index={ignore_index}")
+    else:
+        torch._assert_async(~bad.any(), "fused_linear_cross_entropy: label outside [0, vocab)")
+
+
+def _forward(hidden, weight, labels, ignore_index, reduction, chunk_size, need_gh, need_gw):
+    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
+    n_tokens, hid = hidden.shape
+    vocab = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    _check_labels(labels, vocab, ignore_index)
+    if reduction == "mean":
+        n_valid = (labels != ignore_index).sum().clamp(min=1)
+        scale = (1.0 / n_valid.to(torch.float32)).reshape(1)
+    else:
+        scale = torch.ones(1, dtype=torch.float32, device=dev)
+    loss_rows = torch.empty(n_tokens, dtype=torch.float32, device=dev)
+    grad_h = torch.empty_like(hidden) if need_gh else hidden.new_empty(0)
+    grad_w32 = torch.zeros(vocab, hid, dtype=torch.float32, device=dev) if need_gw else None
+    # bf16/fp16: cuBLAS returns the chunk's product rounded to the input dtype; fp32 sums it.
+    partial = torch.empty_like(weight) if need_gw and dtype != torch.float32 else None
+    chunk = max(1, min(chunk_size, n_tokens))
+    logits_buf = torch.empty(chunk, vocab, dtype=dtype, device=dev)
+    block_v = min(triton.next_power_of_2(vocab), 8192 if dev.type == "cuda" else 256)
+    for start in range(0, n_tokens, chunk):
+        end = min(start + chunk, n_tokens)
+        h = hidden[start:end]
+        logits = logits_buf[: end - start]
+        torch.mm(h, weight.t(), out=logits)
+        with launch_context(_ce_loss_grad_kernel, dev):
+            _ce_loss_grad_kernel[(end - start,)](
+                logits, labels[start:end], loss_rows[start:end], scale, vocab, ignore_index,
+                WRITE_GRAD=need_gh or need_gw, BLOCK_V=block_v, num_warps=num_warps_for(block_v),
+            )
+        if need_gh:
+            torch.mm(logits, weight, out=grad_h[start:end])
+        if need_gw:
+            if partial is None:
+                grad_w32.addmm_(logits.t(), h)
+            else:
+                torch.mm(logits.t(), h, out=partial)
+                grad_w32.add_(partial)
+    del logits_buf, partial
+    loss = loss_rows.sum() * scale[0]
+    grad_w = grad_w32.to(weight.dtype) if need_gw else weight.new_empty(0)
+    return loss, grad_h, grad_w
+
+
+@torch.library.custom_op("megatrain::fused_linear_cross_entropy", mutates_args=())
+def fused_linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+    reduction: str, chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (loss fp32 scalar, grad_hidden or [0], grad_weight or [0]) for grad_output=1."""
+    return _forward(hidden, weight, labels, ignore_index, reduction, chunk_size,
+                    need_grad_hidden, need_grad_weight)
+
+
+@fused_linear_cross_entropy_op.register_fake
+def _(hidden, weight, labels, ignore_index, reduction, chunk_size, need_grad_hidden,
+      need_grad_weight):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    grad_h = hidden.new_empty(hidden.shape if need_grad_hidden else (0,))
+    grad_w = weight.new_empty(weight.shape if need_grad_weight else (0,))
+    return loss, grad_h, grad_w
+
+
+def _setup_context(ctx, inputs, output):
+    _, grad_h, grad_w = output
+    ctx.need = inputs[6], inputs[7]
+    ctx.save_for_backward(grad_h, grad_w)
+    ctx.mark_non_differentiable(grad_h, grad_w)
+
+
+def _backward(ctx, grad_loss, _gh, _gw):
+    grad_h, grad_w = ctx.saved_tensors
+    need_gh, need_gw = ctx.need
+    # grad_loss is a 0-dim fp32 tensor: the product keeps the stored gradient's dtype.
+    return (grad_h * grad_loss if need_gh else None, grad_w * grad_loss if need_gw else None,
+            None, None, None, None, None, None)
+
+
+fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean",
+                               chunk_size: int | None = None) -> torch.Tensor:
+    """Cross entropy of (hidden @ weight.T) against labels, fp32 loss, no full logits.
+
+    hidden [..., H] and labels [...] (flattened to N tokens), weight [V, H] of hidden's
+    dtype. Gradients are computed in the forward only for inputs that require grad.
+    """
+    check_float("hidden", hidden)
+    check_float("weight", weight)
+    check_same_device(hidden=hidden, weight=weight, labels=labels)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] \
+            or labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"need hidden [..., H], weight [V, H], labels [...]; got hidden "
+                         f"{tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels "
+                         f"{tuple(labels.shape)}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has vocab size 0")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}; expected 'mean' or 'sum'")
+    hidden2 = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden2.shape[0], weight.shape[0], hidden.element_size())
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    grad_on = torch.is_grad_enabled()
+    loss, _, _ = fused_linear_cross_entropy_op(
+        hidden2, weight.contiguous(), labels.reshape(-1).to(torch.int64).contiguous(),
+        int(ignore_index), reduction, int(chunk_size),
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+    )
+    return loss
+
+
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor,
+                                         labels: torch.Tensor, ignore_index: int = -100,
+                                         reduction: str = "mean") -> torch.Tensor:
+    """HF's path: logits in the input dtype, upcast to fp32, F.cross_entropy.
+
+    Mean divides by max(#non-ignored, 1): equal to torch's mean except that all-ignored
+    gives 0 instead of NaN.
+    """
+    logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
+    labels = labels.reshape(-1)
+    total = torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index,
+                                              reduction="sum")
+    if reduction == "sum":
+        return total
+    return total / (labels != ignore_index).sum().clamp(min=1)

@@ -1,0 +1,429 @@
+"""megatrain.AdamW: the host optimizer, usable alone or fed region by region by the runtime.
+
+Host memory per parameter is the fp32 master (the parameter itself) plus fp32 ``exp_avg``
+and ``exp_avg_sq``: 12 bytes. A gradient buffer (4 more) exists only for parameters whose
+update has to wait: gradient accumulation, clipping or the non-finite check.
+
+Numerics: the update is ``torch._fused_adamw_``, so results are bitwise those of
+``torch.optim.AdamW(fused=True)`` on the CPU and within rounding (~1e-7 relative per step) of
+the default ``torch.optim.AdamW``. Clipping is bitwise ``clip_grad_norm_(foreach=False)``
+over all gradients in param-group order (see :mod:`megatrain.optim.functional`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from megatrain.optim import checks, functional
+from megatrain.optim.engine import HostWorker
+
+# The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
+# math, so a state_dict moves between torch.optim.AdamW and megatrain.AdamW both ways.
+_TORCH_KEYS = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": True,
+    "decoupled_weight_decay": True,
+}
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+class AdamW(Optimizer):
+    """AdamW with fp32 master weights and moments in host memory.
+
+    Without the megatrain backend it is a drop-in ``torch.optim.AdamW``: gradients in
+    ``p.grad``, ``step()``, ``zero_grad()``, param groups, LR schedulers, state_dicts.
+
+    With the backend, the runtime hands in gradients region by region during backward:
+
+    - ``submit(params, grads)`` behaves like autograd's gradient accumulation into
+      ``p.grad`` followed, when the gradient is final, by that region's AdamW update on the
+      host worker thread. The returned future resolves once ``grads`` have been consumed,
+      so the caller may then reuse their (staging) memory.
+    - The update runs at once (no gradient buffer) unless it must wait: inside
+      ``with opt.accumulate():`` (a micro-batch other than the last), or when
+      ``max_grad_norm`` or ``skip_nonfinite`` need every gradient first. Then the gradient
+      is summed into ``p.grad`` (an optimizer-owned buffer, allocated on first use and
+      recycled across steps: clone ``p.grad`` to keep it past ``zero_grad()``;
+      ``release_grad_buffers()`` stops the recycling) and ``step()`` applies it.
+    - Hyperparameters are read when a gradient is submitted: change ``lr`` before backward,
+      as an LR scheduler stepped after ``opt.step()`` does.
+    - ``wait_params(params)`` blocks until queued work on ``params`` is done (before the
+      runtime re-fetches their weights); ``step()`` and ``zero_grad()`` wait for everything.
+
+    Args:
+        max_grad_norm: clip the global gradient 2-norm to this, inside ``step()``; the
+            norm is then in ``last_grad_norm``.
+        skip_nonfinite: if any gradient has a NaN/Inf element, skip the whole step (params,
+            moments and step counts untouched), warn, and count it in ``skipped_steps``.
+        threads: intra-op threads of the host worker; default ``torch.get_num_threads()``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
+        threads: int | None = None,
+    ) -> None:
+        betas = tuple(betas) if isinstance(betas, (list, tuple)) else betas
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **_TORCH_KEYS)
+        checks.check_hyperparameters(defaults, "megatrain.AdamW")
+        checks.check_options(max_grad_norm, skip_nonfinite, threads)
+        self._setup(max_grad_norm, skip_nonfinite, threads)
+        super().__init__(params, defaults)
+
+    def _setup(
+        self, max_grad_norm: float | None, skip_nonfinite: bool, threads: int | None
+    ) -> None:
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.skip_nonfinite = skip_nonfinite
+        self._threads_arg = threads
+        self.threads = torch.get_num_threads() if threads is None else threads
+        self.last_grad_norm: Tensor | None = None
+        self.skipped_steps = 0
+        self._worker = HostWorker(self.threads)
+        self._accumulating = 0
+        self._where: dict[Tensor, tuple[int, int]] = {}  # param -> (group, index)
+        self._final: dict[Tensor, bool] = {}  # final grad submitted this step -> applied?
+        self._norms: dict[Tensor, tuple[Tensor, int, Tensor]] = {}  # grad, version, norm
+        self._grad_buffers: dict[Tensor, Tensor] = {}
+
+    # ---- the region API (called by the runtime) -------------------------------------
+
+    def submit(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> Future:
+        """Hand in the gradients of one region; see the class docstring. Raises at once on
+        bad input; errors on the worker surface from the future, ``wait_params`` and
+        ``step``."""
+        params, grads = list(params), list(grads)
+        checks.check_region(params, grads, self._where.__contains__, self._describe)
+        for p in params:
+            if p in self._final:
+                raise ValueError(
+                    f"submit(): {self._describe(p)} already received its last gradient for "
+                    "this step; call opt.step() between steps, and run every micro-batch's "
+                    "backward but the last inside `with opt.accumulate():`"
+                )
+        final = self._accumulating == 0
+        immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
+        for p in params if final else ():
+            self._final[p] = immediate
+        if immediate:
+            parts = self._split_by_group(params, grads)
+            hypers = {gi: self._hyper(self.param_groups[gi]) for gi in parts}
+            return self._worker.submit(self._apply_region, parts, hypers, touches=params)
+        return self._worker.submit(self._accumulate_region, params, grads, final, touches=params)
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Gradients submitted inside are summed into ``p.grad`` and not applied: wrap the
+        backward of every micro-batch but the last (like DDP's ``no_sync``). A flag on the
+        optimizer, not thread-local, because backward may submit from autograd's threads.
+        Without the backend (gradients in ``p.grad``) autograd accumulates and this is a
+        no-op."""
+        self._accumulating += 1
+        try:
+            yield
+        finally:
+            self._accumulating -= 1
+
+    def wait_params(self, params: Iterable[Tensor]) -> None:
+        """Block until every queued update or accumulation touching ``params`` is done."""
+        self._worker.wait(params)
+
+    def release_grad_buffers(self) -> None:
+        """Stop recycling gradient buffers (their memory goes once ``p.grad`` is cleared)."""
+        self._worker.wait_all()
+        self._grad_buffers.clear()
+
+    # ---- torch.optim.Optimizer ------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Wait for submitted work, then apply what remains: gradients in ``p.grad`` not yet
+        applied (deferred by accumulation, clipping or the finiteness check, or left there
+        by autograd), with clipping and the non-finite skip over all of them."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self._worker.wait_all()
+            work = self._pending_grads()
+            coef = None
+            if work and (self.max_grad_norm is not None or self.skip_nonfinite):
+                params = [p for ps, _ in work.values() for p in ps]
+                grads = [g for _, gs in work.values() for g in gs]
+                norms = self._grad_norms(params, grads)
+                total = None
+                if self.max_grad_norm is not None:
+                    total = functional.total_norm(norms)
+                    self.last_grad_norm = total
+                if self.skip_nonfinite and self._skip(params, grads, norms):
+                    return loss
+                if total is not None:
+                    coef = functional.clip_coefficient(total, self.max_grad_norm)
+                    if coef.item() == 1.0:
+                        coef = None  # g * 1.0 == g: skip a pass over every gradient
+            futures = [
+                self._worker.submit(
+                    self._update, ps, gs, self._hyper(self.param_groups[gi]), coef, touches=ps
+                )
+                for gi, (ps, gs) in work.items()
+            ]
+            for f in futures:
+                f.result()
+        finally:
+            self._final.clear()
+            self._norms.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._worker.wait_all()
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "params" in param_group:
+            raw = param_group["params"]
+            if not isinstance(raw, (Tensor, set)):
+                raw = param_group["params"] = list(raw)
+                seen = {id(p) for g in self.param_groups for p in g["params"]}
+                checks.check_no_duplicates(raw, seen, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        try:
+            checks.check_hyperparameters(group, f"param_groups[{gi}]")
+            for i, p in enumerate(group["params"]):
+                checks.check_param(p, self._label(group, gi, i, p))
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        self._reindex()
+
+    def state_dict(self) -> dict[str, Any]:
+        self._worker.wait_all()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._worker.wait_all()
+        super().load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._worker.wait_all()
+        state = dict(super().__getstate__())
+        state["megatrain_options"] = dict(
+            max_grad_norm=self.max_grad_norm,
+            skip_nonfinite=self.skip_nonfinite,
+            threads=self._threads_arg,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Called by load_state_dict (state and groups only) and by unpickling/deepcopy
+        # (no worker yet): rebuild the runtime only in the second case.
+        state = dict(state)
+        options = state.pop("megatrain_options", None)
+        super().__setstate__(state)
+        if "_worker" not in self.__dict__:
+            self._setup(**(options or dict(max_grad_norm=None, skip_nonfinite=False, threads=None)))
+        self._adopt_loaded_state()
+
+    # ---- internals ------------------------------------------------------------------
+
+    def _reindex(self) -> None:
+        self._where = {
+            p: (gi, i) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])
+        }
+
+    @staticmethod
+    def _label(group: dict[str, Any], gi: int, i: int, p: Tensor) -> str:
+        names = group.get("param_names")
+        label = f"parameter '{names[i]}'" if names else f"param_groups[{gi}]['params'][{i}]"
+        return f"{label} (shape {tuple(p.shape)})"
+
+    def _describe(self, p: Tensor) -> str:
+        gi, i = self._where[p]
+        return self._label(self.param_groups[gi], gi, i, p)
+
+    @staticmethod
+    def _hyper(group: dict[str, Any]) -> dict[str, float]:
+        beta1, beta2 = group["betas"]
+        return dict(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+        )
+
+    def _split_by_group(
+        self, params: list[Tensor], grads: list[Tensor]
+    ) -> dict[int, tuple[list[Tensor], list[Tensor]]]:
+        parts: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        for p, g in zip(params, grads):
+            ps, gs = parts.setdefault(self._where[p][0], ([], []))
+            ps.append(p)
+            gs.append(g)
+        return parts
+
+    def _pending_grads(self) -> dict[int, tuple[list[Tensor], list[Tensor]]]:
+        """Per group, the params whose ``p.grad`` is still to be applied, in group order."""
+        work: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        for gi, group in enumerate(self.param_groups):
+            ps, gs = [], []
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None or self._final.get(p, False):
+                    continue
+                if not (p.dtype == torch.float32 and p.is_cpu and checks.grad_ok(g, p)):
+                    name = self._label(group, gi, i, p)
+                    checks.check_param(p, name)
+                    checks.check_grad(g, p, name)
+                ps.append(p)
+                gs.append(g)
+            if ps:
+                work[gi] = (ps, gs)
+        return work
+
+    def _grad_norms(self, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+        """Per-tensor 2-norms, reusing those the worker computed when a final gradient
+        arrived through submit() (valid while p.grad is that same, unmodified tensor)."""
+        norms: list[Tensor | None] = []
+        missing: list[int] = []
+        for k, (p, g) in enumerate(zip(params, grads)):
+            cached = self._norms.get(p)
+            if cached is not None and cached[0] is g and cached[1] == g._version:
+                norms.append(cached[2])
+            else:
+                norms.append(None)
+                missing.append(k)
+        if missing:
+            todo = [grads[k] for k in missing]
+            computed = self._worker.submit(
+                lambda gs: [functional.grad_norm(g) for g in gs], todo
+            ).result()
+            for k, n in zip(missing, computed):
+                norms[k] = n
+        return norms  # type: ignore[return-value]
+
+    def _skip(self, params: list[Tensor], grads: list[Tensor], norms: list[Tensor]) -> bool:
+        if bool(torch.isfinite(torch.stack(norms)).all()):
+            return False
+        for p, g, n in zip(params, grads, norms):
+            if not functional.is_finite(g, n):
+                warnings.warn(
+                    f"megatrain.AdamW: non-finite gradient in {self._describe(p)}; step "
+                    "skipped, parameters and moments unchanged (lower the learning rate "
+                    "or check the loss scale if this repeats)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self.skipped_steps += 1
+                return True
+        return False  # only the norms overflowed; the elements are finite
+
+    def _state_of(self, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """Moments and step counts, created on first use (on the worker, so the first
+        touch of their pages happens off the caller's thread)."""
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
+            steps.append(st["step"])
+        return exp_avgs, exp_avg_sqs, steps
+
+    def _update(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor],
+        hyper: dict[str, float],
+        coef: Tensor | None,
+    ) -> None:
+        """Worker: clip (in place, like clip_grad_norm_) and apply one AdamW step."""
+        if coef is not None:
+            for g in grads:
+                g.mul_(coef)
+        grads = [functional.like_param(g, p) for p, g in zip(params, grads)]
+        exp_avgs, exp_avg_sqs, steps = self._state_of(params)
+        functional.adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+
+    def _apply_region(
+        self,
+        parts: dict[int, tuple[list[Tensor], list[Tensor]]],
+        hypers: dict[int, dict[str, float]],
+    ) -> None:
+        """Worker: a final gradient, applied now; earlier micro-batches sit in p.grad."""
+        for gi, (ps, gs) in parts.items():
+            total = []
+            for p, g in zip(ps, gs):
+                if p.grad is not None:
+                    g = p.grad.add_(g)
+                total.append(g)
+            self._update(ps, total, hypers[gi], None)
+
+    def _accumulate_region(self, params: list[Tensor], grads: list[Tensor], final: bool) -> None:
+        """Worker: sum into p.grad like autograd (copy when empty, else add: the same bits
+        as eager accumulation); for a final gradient also take its norm now, overlapped
+        with the caller's compute, for clipping or the finiteness check in step()."""
+        for p, g in zip(params, grads):
+            if p.grad is None:
+                buf = self._grad_buffers.get(p)
+                if buf is None:
+                    buf = self._grad_buffers[p] = torch.empty_like(p)
+                p.grad = buf.copy_(g)
+            else:
+                p.grad.add_(g)
+            if final:
+                self._norms[p] = (p.grad, p.grad._version, functional.grad_norm(p.grad))
+
+    def _adopt_loaded_state(self) -> None:
+        """Validate groups and state after load_state_dict/unpickling, and bring the state
+        to the form the kernel needs (fp32 0-dim step, moments laid out like the param)."""
+        for gi, group in enumerate(self.param_groups):
+            checks.check_hyperparameters(group, f"loaded param_groups[{gi}]")
+            group.update(fused=True, foreach=None, capturable=False, decoupled_weight_decay=True)
+        self._reindex()
+        for p, st in self.state.items():
+            if not isinstance(p, Tensor) or not st or p not in self._where:
+                continue
+            missing = [k for k in _STATE_KEYS if k not in st]
+            if missing:
+                raise ValueError(
+                    f"loaded state for {self._describe(p)} lacks {missing}: load a state_dict "
+                    "saved by megatrain.AdamW or torch.optim.AdamW/Adam"
+                )
+            step = st["step"]
+            kernel_ready = (
+                isinstance(step, Tensor) and step.dtype == torch.float32 and not step.dim()
+            )
+            if not (kernel_ready and step.is_cpu):
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            for k in ("exp_avg", "exp_avg_sq"):
+                if st[k].shape != p.shape:
+                    raise ValueError(
+                        f"loaded {k} for {self._describe(p)} has shape {tuple(st[k].shape)}; "
+                        "the state_dict belongs to a different model"
+                    )
+                st[k] = functional.like_param(st[k], p)

@@ -1,0 +1,96 @@
+"""The host worker: one thread that runs optimizer work while the caller keeps computing.
+
+Thread choices, and why:
+
+- One worker thread, not a pool. Every task here (AdamW update, gradient accumulation,
+  norms) is memory-bound, so a second concurrent task would only compete for the same DRAM
+  bandwidth. One FIFO thread also orders all work on a parameter (accumulate, then update)
+  without locks, and never opens two OpenMP teams that oversubscribe the cores.
+- Parallelism comes from inside each ATen kernel: the worker runs with ``threads``
+  intra-op (OpenMP) threads, by default the caller's ``torch.get_num_threads()``, i.e. the
+  same count torch's own fused AdamW would use.
+- ATen ops release the GIL, so the caller's Python (autograd, the runtime's copy engine)
+  runs on while the worker computes.
+- ``torch.set_num_threads`` is per thread for OpenMP but also sets the process default
+  that new threads start from; the worker's setting is therefore undone for the process
+  right after the worker starts, so it never leaks into other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+def _set_worker_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_no_grad(fn: Callable[..., Any], args: tuple) -> Any:
+    # Grad mode is thread-local and on by default in a new thread: in-place updates of
+    # leaf parameters would be refused by autograd without this.
+    with torch.no_grad():
+        return fn(*args)
+
+
+class HostWorker:
+    """A single FIFO worker thread with ``threads`` intra-op threads, tracking per tensor
+    the last task that touches it so callers can wait for exactly what they need."""
+
+    def __init__(self, threads: int, name: str = "megatrain-host-optim") -> None:
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"threads must be a positive int, got {threads!r}")
+        self.threads = threads
+        caller_threads = torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=_set_worker_threads,
+            initargs=(threads,),
+        )
+        self._pool.submit(int).result()  # start the thread (and its setting) now
+        if threads != caller_threads:
+            torch.set_num_threads(caller_threads)  # restore the process default
+        self._lock = threading.Lock()
+        self._last: dict[torch.Tensor, Future] = {}
+        self._outstanding: list[Future] = []
+        weakref.finalize(self, self._pool.shutdown, wait=False)
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, touches: Iterable[torch.Tensor] = ()
+    ) -> Future:
+        """Queue ``fn(*args)`` (run under no_grad); ``touches`` are the tensors it reads
+        or writes, for :meth:`wait`."""
+        future = self._pool.submit(_run_no_grad, fn, args)
+        with self._lock:
+            self._outstanding = [f for f in self._outstanding if not f.done()]
+            self._outstanding.append(future)
+            for t in touches:
+                self._last[t] = future
+        return future
+
+    def wait(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Block until every queued task touching ``tensors`` has finished; re-raise its
+        error. FIFO order makes the last such task the only one to wait for."""
+        with self._lock:
+            futures = {id(f): f for t in tensors if (f := self._last.get(t)) is not None}
+        for f in futures.values():
+            f.result()
+
+    def wait_all(self) -> None:
+        """Block until the queue is empty; re-raise the first task error."""
+        with self._lock:
+            futures, self._outstanding = self._outstanding, []
+            self._last.clear()
+        errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 
@@ -22,7 +23,7 @@ from .capture import check_inputs, rehome
 from .lower import lower
 from .options import Options, parse_options
 from .partition import make_partition_fn
-from .passes import insert_transfers
+from .passes import gradient_handoffs, insert_transfers
 from .plan import GraphPlan
 
 _seen_breaks = 0
@@ -109,6 +110,11 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
         plan.forward_events, plan.backward_events = f.events, b.events
         plan.prefetch_count = f.prefetch_count + b.prefetch_count
         plan.predicted_peak_bytes = peak
+        handoffs = gradient_handoffs(bw) if bw is not None else []
+        if handoffs:
+            per_param, per_region = collections.Counter(p for _, p in handoffs), collections.Counter(
+                r for r, _ in handoffs)
+            streamer.expect_gradients(per_param, per_region)
         return fw, bw
 
     def fw_compiler(fx_gm, inputs):

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import MegatrainTypeError, MegatrainValueError, UnsupportedError
+from ..optim.registry import owner_of
 from . import ops
 from .regions import Region, RegionMap, assign_regions
 
@@ -144,7 +145,7 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
             for r, users in by_region.items():
                 first = min(users, key=order.__getitem__)
                 with graph.inserting_before(first):
-                    f = graph.call_function(ops.FETCH, (node, streamer_id, r, pid))
+                    f = graph.call_function(ops.FETCH, (node, streamer_id, r, pid, owner_of(x) is not None))
                 f.meta["nn_module_stack"] = dict(first.meta.get("nn_module_stack") or {})
                 f.meta["custom"] = {"megatrain_region": r}
                 region_map.of_node[f] = r

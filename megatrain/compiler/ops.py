@@ -1,9 +1,11 @@
 """megatrain's transfer ops, as torch.library custom ops so every compiler stage sees them.
 
 Before AOTAutograd (torch-level graph):
-    fetch(param, streamer, region, param_id) -> device copy of `param` in the compute dtype.
-    Its backward is `grad_to_host`, so each weight gradient leaves the device right after
-    the op that produces it, inside the compiled backward.
+    fetch(param, streamer, region, param_id, to_optimizer) -> device copy of `param` in the
+    compute dtype. Its backward is `grad_to_host` (the gradient lands in `p.grad`), or, when
+    a megatrain.AdamW owns the parameter, the effectful `grad_to_optimizer` (the gradient is
+    handed to the optimizer, no `p.grad`); either way each weight gradient leaves the device
+    right after the op that produces it, inside the compiled backward.
 
 After partitioning (inserted by `passes.insert_transfers`; `token` orders them):
     prefetch(token!, host_params, streamer, region)      start the host-to-device copy
@@ -16,6 +18,8 @@ After partitioning (inserted by `passes.insert_transfers`; `token` orders them):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -27,22 +31,26 @@ def _s(index: int) -> "_streamer.Streamer":
 
 
 @torch.library.custom_op("megatrain::fetch", mutates_args=())
-def fetch(param: Tensor, streamer: int, region: int, param_id: int) -> Tensor:
+def fetch(param: Tensor, streamer: int, region: int, param_id: int, to_optimizer: bool) -> Tensor:
     return _s(streamer).fetch_now(param)
 
 
 @fetch.register_fake
-def _(param, streamer, region, param_id):
+def _(param, streamer, region, param_id, to_optimizer):
     s = _s(streamer)
     return torch.empty(param.shape, dtype=s.compute_dtype, device=s.device)
 
 
 def _fetch_setup(ctx, inputs, output):
-    _, ctx.streamer, _, ctx.param_id = inputs
+    _, ctx.streamer, ctx.region, ctx.param_id, ctx.to_optimizer = inputs
 
 
 def _fetch_backward(ctx, grad):
-    return torch.ops.megatrain.grad_to_host(grad, ctx.streamer, ctx.param_id), None, None, None
+    if ctx.to_optimizer:
+        # Fast path: the gradient goes straight to megatrain.AdamW; no p.grad is kept.
+        torch.ops.megatrain.grad_to_optimizer(grad, ctx.streamer, ctx.region, ctx.param_id)
+        return None, None, None, None, None
+    return torch.ops.megatrain.grad_to_host(grad, ctx.streamer, ctx.param_id), None, None, None, None
 
 
 torch.library.register_autograd("megatrain::fetch", _fetch_backward, setup_context=_fetch_setup)
@@ -57,6 +65,23 @@ def grad_to_host(grad: Tensor, streamer: int, param_id: int) -> Tensor:
 def _(grad, streamer, param_id):
     p = _s(streamer).params[param_id]
     return torch.empty(grad.shape, dtype=p.dtype, device=p.device)
+
+
+@torch.library.custom_op("megatrain::grad_to_optimizer", mutates_args=())
+def grad_to_optimizer(grad: Tensor, streamer: int, region: int, param_id: int) -> None:
+    _s(streamer).grad_to_optimizer(grad, region, param_id)
+
+
+@grad_to_optimizer.register_fake
+def _(grad, streamer, region, param_id):
+    return None
+
+
+# ORDERED: AOTAutograd threads an effect token through it, so it is kept (it returns
+# nothing) and stays where the gradient is produced.
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op  # noqa: E402
+
+_register_effectful_op(torch.ops.megatrain.grad_to_optimizer.default, _EffectType.ORDERED)
 
 
 @torch.library.custom_op("megatrain::prefetch", mutates_args=("token",))
@@ -91,7 +116,9 @@ def _(token, flat, streamer, region):
 
 
 @torch.library.custom_op("megatrain::drain", mutates_args=("token",))
-def drain(token: Tensor, host_grads: list[Tensor], streamer: int) -> None:
+def drain(token: Tensor, host_grads: list[Optional[Tensor]], streamer: int) -> None:
+    # host_grads: grad_to_host outputs and the effect tokens of grad_to_optimizer calls
+    # (None at run time once Inductor unlifts tokens): inputs only to order drain last.
     _s(streamer).drain()
 
 
@@ -102,6 +129,7 @@ def _(token, host_grads, streamer):
 
 FETCH = torch.ops.megatrain.fetch.default
 GRAD_TO_HOST = torch.ops.megatrain.grad_to_host.default
+GRAD_TO_OPTIMIZER = torch.ops.megatrain.grad_to_optimizer.default
 PREFETCH = torch.ops.megatrain.prefetch.default
 WAIT = torch.ops.megatrain.wait.default
 EVICT = torch.ops.megatrain.evict.default

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -142,6 +144,7 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, slots: int,
 
     if kind == "backward":
         grads = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GRAD_TO_HOST]
+        grads += _handoff_tokens(graph)
         output = graph.find_nodes(op="output")[0]
         with graph.inserting_before(output):
             graph.call_function(ops.DRAIN, (token, grads, streamer))
@@ -151,6 +154,34 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, slots: int,
     gm.recompile()
     sched.predicted_peak_bytes = simulate_peak(gm, device, sched)
     return sched
+
+
+def _is_handoff(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is ops.GRAD_TO_OPTIMIZER:
+        return True
+    return getattr(n.target, "__name__", "") == "with_effects" and len(n.args) > 1 \
+        and n.args[1] is ops.GRAD_TO_OPTIMIZER
+
+
+def gradient_handoffs(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """(region, param_id) of every gradient the backward hands to megatrain.AdamW."""
+    out = []
+    for n in gm.graph.nodes:
+        if _is_handoff(n):
+            args = n.args if n.target is ops.GRAD_TO_OPTIMIZER else n.args[2:]
+            out.append((args[2], args[3]))
+    return out
+
+
+def _handoff_tokens(graph: fx.Graph) -> list[fx.Node]:
+    """The effect tokens out of each hand-off, so `drain` is ordered after all of them."""
+    tokens = []
+    for n in graph.nodes:
+        if _is_handoff(n) and n.target is not ops.GRAD_TO_OPTIMIZER:
+            tokens += [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+    return tokens
 
 
 def _replace_fetches(graph: fx.Graph, fs: list[fx.Node], flat: fx.Node, lay: FlatLayout, fake) -> None:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from megatrain.optim import checks, functional
+from megatrain.optim import checks, functional, registry
 from megatrain.optim.engine import HostWorker
 
 # The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
@@ -251,6 +251,7 @@ class AdamW(Optimizer):
         self._where = {
             p: (gi, i) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])
         }
+        registry.register(self._where, self)
 
     @staticmethod
     def _label(group: dict[str, Any], gi: int, i: int, p: Tensor) -> str:

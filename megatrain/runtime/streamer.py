@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import FlatLayout, contiguous_spans
+from ..optim.registry import owner_of
 from .pool import DevicePool
 
 _REGISTRY: list["Streamer"] = []
@@ -117,6 +118,7 @@ class Streamer:
         return param.detach().to(self.device, self.compute_dtype, copy=True)
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
+        self.wait_updates(host_params)
         lay = self.layout([p.shape for p in host_params])
         nbytes = lay.numel * self.compute_dtype.itemsize
         self.pool.acquire(nbytes, f"prefetch of region {region}")
@@ -179,6 +181,85 @@ class Streamer:
     def evict(self, region: int, flat: torch.Tensor) -> None:
         self.pool.release(flat.numel() * flat.element_size())
 
+    # -- gradients out to megatrain.AdamW (fast path) ----------------------------------
+    def expect_gradients(self, per_param: dict[int, int], per_region: dict[int, int]) -> None:
+        """How many gradient contributions one backward sends, per parameter and per region
+        (a tied weight sends one per region that fetched it)."""
+        self._expect_param = dict(per_param)
+        self._expect_region = dict(per_region)
+        self._contrib: dict[int, list] = collections.defaultdict(list)
+        self._region_seen: dict[int, int] = collections.defaultdict(int)
+        self._ready: dict[int, list[int]] = collections.defaultdict(list)
+        if not hasattr(self, "_handoff"):
+            self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
+        self._handoffs: list[concurrent.futures.Future] = []
+
+    def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
+        if grad.device.type == "cpu":
+            entry = (grad.to(torch.float32, copy=True), None, None)
+        else:
+            nbytes = grad.numel() * grad.element_size()
+            self.stats.d2h_bytes += nbytes
+            staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            done = torch.cuda.Event()
+            with torch.cuda.stream(self.d2h_stream):
+                self.d2h_stream.wait_event(produced)
+                staged.copy_(grad, non_blocking=True)
+                done.record(self.d2h_stream)
+            entry = (staged, done, grad)  # holding `grad` keeps its memory until the copy ends
+        self._contrib[param_id].append(entry)
+        if len(self._contrib[param_id]) == self._expect_param[param_id]:
+            self._ready[region].append(param_id)
+        self._region_seen[region] += 1
+        if self._region_seen[region] == self._expect_region[region]:
+            del self._region_seen[region]  # the next backward counts afresh
+            pids = self._ready.pop(region, [])
+            if not pids:
+                return
+            parts = [self._contrib.pop(i) for i in pids]
+            self._handoffs.append(self._handoff.submit(self._hand_over, pids, parts))
+
+    def _hand_over(self, pids: list[int], parts: list[list]) -> None:
+        """On the hand-off thread: wait for the copies, sum tied contributions, submit."""
+        grads = []
+        for contributions in parts:
+            total = None
+            for staged, done, _ in contributions:
+                if done is not None:
+                    done.synchronize()
+                g = staged.float() if staged.dtype != torch.float32 else staged
+                total = g if total is None else total + g
+            grads.append(total)
+        params = [self.params[i] for i in pids]
+        owners = {}
+        for p, g in zip(params, grads):
+            opt = owner_of(p)
+            owners.setdefault(id(opt), (opt, [], []))
+            owners[id(opt)][1].append(p)
+            owners[id(opt)][2].append(g)
+        for opt, ps, gs in owners.values():
+            opt.submit(ps, gs).result()
+
+    def wait_handoffs(self) -> None:
+        for f in getattr(self, "_handoffs", []):
+            f.result()
+        if hasattr(self, "_handoffs"):
+            self._handoffs.clear()
+            leftover = [i for i, c in self._contrib.items() if c]
+            assert not leftover, f"gradients of parameters {leftover} never completed"
+
+    def wait_updates(self, host_params: list[torch.Tensor]) -> None:
+        """A region is never fetched before its pending update (from the last step) is done."""
+        by_owner: dict[int, tuple] = {}
+        for p in host_params:
+            opt = owner_of(p)
+            if opt is not None:
+                by_owner.setdefault(id(opt), (opt, []))[1].append(p)
+        for opt, ps in by_owner.values():
+            opt.wait_params(ps)
+
     # -- gradients out -----------------------------------------------------------------
     def grad_to_host(self, grad: torch.Tensor, param_id: int) -> torch.Tensor:
         param = self.params[param_id]
@@ -207,7 +288,9 @@ class Streamer:
                 self.pool.release(p.nbytes)
 
     def drain(self) -> None:
-        """Block until every gradient of this backward is on the host, in the parameter's dtype."""
+        """Block until every gradient of this backward is on the host (in the parameter's
+        dtype) or handed to its optimizer, so `opt.step()` sees all of them."""
+        self.wait_handoffs()
         for p in self._pending:
             p.done.synchronize()
             if p.device_grad is not None:

@@ -39,7 +39,7 @@ def _joint_graph(sid: int, regions: int = 3, hidden: int = 8):
     y = x
     nodes = {}
     for r, w in enumerate(weights):
-        f = g.call_function(ops.FETCH, (w, sid, r, r))
+        f = g.call_function(ops.FETCH, (w, sid, r, r, False))
         t = g.call_function(aten.t.default, (f,))
         mm = g.call_function(aten.mm.default, (y, t))
         act = g.call_function(aten.relu.default, (mm,))

@@ -76,6 +76,10 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params)
     sid = streamer_mod.register(streamer)
+    if opts.kernels:
+        from .fusions import replace_kernel_patterns
+
+        replace_kernel_patterns(gm, opts.kernels)
     cap = rehome(gm, example_inputs, opts.device, sid)
     _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
 

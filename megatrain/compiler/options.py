@@ -46,6 +46,9 @@ class Options:
     prefetch: regions fetched ahead of the one computing (1 = double buffering).
     lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
         "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
+    kernels: which eager patterns to replace with megatrain's Triton kernels (names from
+        `megatrain.compiler.fusions.PATTERNS`; True = `fusions.DEFAULT`). Default: none,
+        until the GPU benchmark shows which ones beat Inductor's own code (issue 5 policy).
     """
 
     device: torch.device
@@ -53,6 +56,7 @@ class Options:
     precision: str = "bf16"
     prefetch: int = 1
     lowering: str = "inductor"
+    kernels: tuple[str, ...] = ()
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -110,5 +114,23 @@ def parse_options(options: dict | None) -> Options:
     lowering = options.get("lowering", "inductor")
     if lowering not in _LOWERINGS:
         raise MegatrainValueError(f"lowering={lowering!r}: use one of {_LOWERINGS}")
+    kernels = _parse_kernels(options.get("kernels", False))
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
-                   prefetch=prefetch, lowering=lowering)
+                   prefetch=prefetch, lowering=lowering, kernels=kernels)
+
+
+def _parse_kernels(value) -> tuple[str, ...]:
+    from .fusions import DEFAULT, PATTERNS
+
+    if value is True:
+        return tuple(sorted(DEFAULT))
+    if value is False or value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    names = tuple(value)
+    bad = [n for n in names if n not in PATTERNS]
+    if bad:
+        raise MegatrainValueError(f"kernels={value!r}: unknown {bad}; choose from {sorted(PATTERNS)} "
+                                  f"or True for the default set")
+    return names

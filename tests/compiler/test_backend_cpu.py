@@ -139,3 +139,16 @@ def test_graph_break_trains_with_a_warning():
         assert abs(a - b) / abs(b) < 1e-5
     assert rel(r["grads"], r["grads_ref"]) < 1e-5
     assert rel(r["params"], r["params_ref"]) < 1e-3
+
+
+def test_kernels_option_swaps_in_the_triton_kernels():
+    torch.manual_seed(0)
+    model = llama(tied=False, layers=2)
+    opts = {"device": "cpu", "precision": "fp32", "lowering": "eager", "kernels": True}
+    r = train_side_by_side(model, random_batches(160, 2, batch=2, seq=8), opts, steps=2, lr=3e-3)
+    for a, b in zip(r["loss"], r["loss_ref"]):
+        assert abs(a - b) / abs(b) < 1e-5
+    assert rel(r["grads"], r["grads_ref"]) < 1e-5
+    code = r["plan"].code
+    for op in ("megatrain.rms_norm", "megatrain.rope", "megatrain.swiglu", "megatrain.fused_linear_cross_entropy"):
+        assert op in code, op

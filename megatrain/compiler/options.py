@@ -47,8 +47,9 @@ class Options:
     lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
         "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
     kernels: which eager patterns to replace with megatrain's Triton kernels (names from
-        `megatrain.compiler.fusions.PATTERNS`; True = `fusions.DEFAULT`). Default: none,
-        until the GPU benchmark shows which ones beat Inductor's own code (issue 5 policy).
+        `megatrain.compiler.fusions.PATTERNS`; True = all). Default: none, because on the
+        H200 none beats Inductor's own code for its pattern in forward+backward yet
+        (bench/results/kernels.jsonl); a kernel that loses is not used by default.
     """
 
     device: torch.device
@@ -120,10 +121,10 @@ def parse_options(options: dict | None) -> Options:
 
 
 def _parse_kernels(value) -> tuple[str, ...]:
-    from .fusions import DEFAULT, PATTERNS
+    from .fusions import PATTERNS
 
     if value is True:
-        return tuple(sorted(DEFAULT))
+        return PATTERNS
     if value is False or value is None:
         return ()
     if isinstance(value, str):

@@ -1,0 +1,102 @@
+"""`megatrain` command line: `megatrain train ...` and `megatrain plot DIR`.
+
+Exit status: 0 done, 1 failed while training, 2 refused before any work (bad argument or a
+memory plan that does not fit; the message names the value and the fix), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+S = argparse.SUPPRESS   # options the user did not give stay out of the namespace
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatrain",
+                                description="Train models larger than GPU memory by streaming "
+                                            "weights from host RAM.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a causal LM", argument_default=S,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Train a causal LM with the megatrain torch.compile backend.\n"
+                                   "With no arguments: the tiny preset on the shipped "
+                                   "Shakespeare corpus.")
+    g = t.add_argument_group("model and data")
+    g.add_argument("--model", help="preset (tiny, 1b, 3b, 8b) or a Hugging Face Llama folder "
+                                   "(config.json, optional safetensors) [tiny]")
+    g.add_argument("--data", help="text file, folder of .txt, .jsonl with a \"text\" field, or "
+                                  "token ids (.bin uint16/uint32, .npy) [shipped corpus]")
+    g.add_argument("--data-dtype", choices=["auto", "uint16", "uint32"],
+                   help=".bin token width [auto: uint16 when the vocab fits]")
+    g.add_argument("--tokenizer", help="'bytes' or a folder/file with tokenizer.json (needs the "
+                                       "tokenizers package) [bytes]")
+    g = t.add_argument_group("schedule")
+    g.add_argument("--steps", type=int, help="optimizer steps [200]")
+    g.add_argument("--seq", type=int, help="sequence length [256]")
+    g.add_argument("--batch-tokens", type=int, help="tokens per optimizer step, all micro-batches "
+                                                    "together [4096]")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per step [1]")
+    g.add_argument("--lr", type=float, help="peak learning rate [3e-3 below 50M params, else 3e-4]")
+    g.add_argument("--warmup", type=int, help="linear warmup steps, then cosine [steps/10]")
+    g.add_argument("--min-lr-ratio", type=float, help="final lr as a fraction of --lr [0.1]")
+    g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices [0.1]")
+    g.add_argument("--clip", type=float, help="global gradient-norm clip, 0 = off [1.0]")
+    g.add_argument("--seed", type=int, help="seed for init and data order [0]")
+    g = t.add_argument_group("execution")
+    g.add_argument("--device", help="compute device: cuda, cuda:N or cpu [cuda if available]")
+    g.add_argument("--gpu-memory", help="device memory budget, e.g. 16GiB [backend decides]")
+    g.add_argument("--precision", choices=["bf16", "fp32"],
+                   help="compute precision; the master weights are fp32 either way "
+                        "[bf16 on cuda, fp32 on cpu]")
+    g.add_argument("--compile", choices=["megatrain", "eager"],
+                   help="megatrain backend, or plain torch on --device [megatrain]")
+    g = t.add_argument_group("output")
+    g.add_argument("--out", help="run folder: metrics.jsonl, metrics.png, checkpoints/ "
+                                 "[runs/<model>]")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0 = only at the "
+                                                  "end [500]")
+    g.add_argument("--keep", type=int, help="complete checkpoints to keep [2]")
+    g.add_argument("--resume", action="store_true", help="continue from the latest complete "
+                                                         "checkpoint in --out")
+    g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds "
+                                                            "a run")
+    g.add_argument("--stop-after", type=int, help="stop after N steps of this invocation and save "
+                                                  "(the schedule still spans --steps)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+
+    pl = sub.add_parser("plot", help="plot loss and throughput of a run")
+    pl.add_argument("dir", help="the run's --out folder (holds metrics.jsonl)")
+    pl.add_argument("-o", "--output", help="PNG path [DIR/metrics.png]")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(_parser().parse_args(argv))
+    command = args.pop("command")
+    from megatrain.train import RefusedError
+
+    try:
+        if command == "plot":
+            from megatrain.train.plot import plot_metrics
+            print(plot_metrics(args["dir"], args.get("output")))
+            return 0
+        from megatrain.train.loop import train
+        train(args)
+        return 0
+    except RefusedError as e:
+        print(f"megatrain {command}: refused: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:
+        print(f"megatrain {command}: failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"megatrain {command}: interrupted; --resume continues from the last checkpoint",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Per-step metrics: `metrics.jsonl` in the run folder, one JSON object per optimizer step.
+
+Each row has at least step, loss, lr, tokens_per_s; also tflops (model FLOPs: 6 N T plus
+attention, recompute not counted), grad_norm, step_time_s, tokens, elapsed_s and memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+FILENAME = "metrics.jsonl"
+
+
+def read_metrics(out: str | Path) -> list[dict]:
+    path = Path(out) / FILENAME
+    if not path.is_file():
+        return []
+    rows = []
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break        # a torn last line from a killed process
+    return rows
+
+
+class MetricsWriter:
+    """Appends rows; on resume first drops rows past the checkpoint's step."""
+
+    def __init__(self, out: str | Path, resume_step: int | None = None):
+        self.path = Path(out) / FILENAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        keep = [r for r in read_metrics(out) if r.get("step", 0) <= resume_step] \
+            if resume_step is not None else []
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        with open(tmp, "w") as fh:
+            for r in keep:
+                fh.write(json.dumps(r) + "\n")
+        os.replace(tmp, self.path)
+        self._fh = open(self.path, "a")
+
+    def write(self, row: dict) -> None:
+        self._fh.write(json.dumps(row) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def host_rss_bytes() -> int:
+    try:
+        import psutil
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def device_peak_bytes(device: str, step_fn=None) -> int | None:
+    """Peak device bytes: megatrain's own measure for a compiled step (its device pool, also
+    when the device is the CPU), else the CUDA allocator's peak."""
+    if hasattr(step_fn, "_orig_mod"):       # a torch.compile'd module
+        try:
+            import megatrain
+            peak = megatrain.explain(step_fn).measured_peak_bytes
+            if peak is not None:
+                return int(peak)
+        except Exception:
+            pass
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return None

@@ -1,0 +1,290 @@
+"""The memory plan printed before training: host bytes, device bytes, predicted step time.
+
+Computed from the model's parameters alone (works on a meta-device model, so an 8B plan
+costs nothing) and the shape of a step. The numbers follow DESIGN.md §4: host keeps the
+fp32 master and AdamW moments (12 B/param), plus gradients in compatibility mode and a
+few pinned staging slabs; the device holds k weight slots of the largest streamed unit,
+the layer-boundary activations and one layer's working set. Once the backend exposes
+`megatrain.explain(step)`, its predicted peak and step time replace the device estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import RefusedError
+
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "t": 1e12, "tb": 1e12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(value: str | int | None, what: str = "--gpu-memory") -> int | None:
+    """'16GiB', '16GB', '16g', '1.5TiB', 17179869184 -> bytes; None -> None."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise RefusedError(f"{what} {value!r}: not a size; write it like 16GiB, 80GB or 1500MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def available_host_bytes() -> int | None:
+    """Host RAM available now: psutil if importable, else /proc/meminfo MemAvailable."""
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measure_cpu_flops(seconds: float = 0.2) -> float:
+    """fp32 matmul FLOP/s of this CPU with torch's thread count: the best of short trials,
+    so a moment of contention from other processes does not skew the plan."""
+    n = 384
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+@dataclass
+class PlanConfig:
+    tokens: int                   # tokens in one micro-batch (one forward/backward)
+    seq: int
+    grad_accum: int = 1
+    precision: str = "bf16"       # compute dtype: "bf16" | "fp32"
+    device: str = "cuda"
+    compile: str = "megatrain"    # "megatrain" streams; "eager" keeps everything on the device
+    optimizer: str = "megatrain"  # "megatrain" (no persistent grads) | "torch" (p.grad on host)
+    clip: float = 0.0             # global-norm clipping makes megatrain.AdamW keep p.grad
+    gpu_memory: int | None = None
+    slots: int = 3                # weight slots on the device (double buffer + one in use)
+    data_bytes: int = 0
+    checkpoint_shard_bytes: int = 4 * GiB
+    device_flops: float | None = None     # FLOP/s; None: 700e12 bf16 / 50e12 fp32 (H200), 5e10 CPU
+    transfer_bytes_per_s: float | None = None  # H2D/D2H; None: 55e9 pinned PCIe, 10e9 on CPU
+    host_bytes_per_s: float = 100e9       # host memory bandwidth seen by the optimizer
+
+
+@dataclass
+class MemoryPlan:
+    n_params: int
+    n_matmul_params: int
+    n_layers: int
+    largest_unit: int
+    host: dict[str, int] = field(default_factory=dict)
+    device: dict[str, int] = field(default_factory=dict)
+    host_total: int = 0
+    device_total: int = 0
+    host_needed: int = 0          # host RAM the run needs (adds the device pool when it is the CPU)
+    flops_per_step: float = 0.0
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    host_s: float = 0.0
+    step_s: float = 0.0
+    bound: str = ""
+    cfg: PlanConfig | None = None
+
+    def table(self, available: int | None = None) -> str:
+        c = self.cfg
+        lines = [f"memory plan: {self.n_params / 1e6:,.2f} M params, {self.n_layers} layers, "
+                 f"largest streamed unit {self.largest_unit / 1e6:,.2f} M params "
+                 f"[{c.compile}, {c.precision}, device {c.device}, {c.tokens} tokens x "
+                 f"{c.grad_accum} micro-batches]"]
+        w = max(len(k) for k in [*self.host, *self.device]) + 4
+        lines.append("  host RAM")
+        lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.host.items()]
+        lines.append(f"    {'total host':<{w}}{fmt_bytes(self.host_total):>12}")
+        lines.append(f"  device ({c.device})" + (f", budget {fmt_bytes(c.gpu_memory)}"
+                                                  if c.gpu_memory else ""))
+        lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.device.items()]
+        lines.append(f"    {'total device':<{w}}{fmt_bytes(self.device_total):>12}")
+        if self.host_needed != self.host_total:
+            lines.append(f"  host RAM needed (the device pool is host RAM too): "
+                         f"{fmt_bytes(self.host_needed)}")
+        if available is not None:
+            lines.append(f"  host RAM available now: {fmt_bytes(available)}"
+                         f" -> {'fits' if self.host_needed <= available else 'DOES NOT FIT'}")
+        lines.append(f"  predicted step: {fmt_seconds(self.step_s)} ({self.bound}; compute "
+                     f"{fmt_seconds(self.compute_s)}, transfers {fmt_seconds(self.transfer_s)}, "
+                     f"host optimizer {fmt_seconds(self.host_s)})")
+        return "\n".join(lines)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def model_flops_per_token(model: nn.Module, seq: int) -> float:
+    """Training FLOPs per token: 6 x matmul params + 12 L h seq (attention), no recompute."""
+    cfg = getattr(model, "config", None)
+    n_matmul = sum(m.weight.numel() for m in _unique_linears(model))
+    layers = getattr(cfg, "layers", 0)
+    hidden = getattr(cfg, "hidden", 0)
+    return 6.0 * n_matmul + 12.0 * layers * hidden * seq
+
+
+def _unique_linears(model: nn.Module) -> list[nn.Linear]:
+    seen, out = set(), []
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            out.append(m)
+    return out
+
+
+def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
+    """Host and device bytes and a step-time floor for training `model` with `cfg`."""
+    n = sum(p.numel() for p in model.parameters())
+    n_matmul = sum(m.weight.numel() for m in _unique_linears(model))
+    layers: list[int] = []
+    others: list[int] = []
+    for _, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            layers += [_numel(c) for c in child]
+        elif _numel(child):
+            others.append(_numel(child))
+    unit = max(layers + others + [1])
+    mc = getattr(model, "config", None)
+    hidden = getattr(mc, "hidden", None) or int(math.sqrt(max(unit, 1) / 12))
+    ffn = getattr(mc, "ffn", 4 * hidden)
+    vocab = getattr(mc, "vocab_size", 0)
+    heads = getattr(mc, "heads", 1)
+    L = len(layers) or getattr(mc, "layers", 1)
+
+    cb = 2 if cfg.precision == "bf16" else 4
+    T = cfg.tokens
+    on_cpu = cfg.device.startswith("cpu")
+    per_layer_act = T * (8 * hidden + 4 * ffn) * cb
+    scores = T * heads * cfg.seq * 4 * 2 if on_cpu else 0   # math SDPA materialises T x T
+    logits = T * vocab * (cb + 4 + 4)
+    plan = MemoryPlan(n_params=n, n_matmul_params=n_matmul, n_layers=L, largest_unit=unit, cfg=cfg)
+    shard = min(cfg.checkpoint_shard_bytes, 4 * n)
+
+    if cfg.compile == "eager":
+        dev = {"fp32 weights": 4 * n, "gradients (fp32)": 4 * n, "AdamW moments m, v": 8 * n}
+        if cb == 2:
+            dev["bf16 weight copies (autocast)"] = 2 * n
+        dev["activations, all layers"] = L * (per_layer_act + scores)
+        dev["logits + loss"] = logits
+        host = {"data (tokens in RAM)": cfg.data_bytes, "checkpoint shard buffer": shard}
+    else:
+        host = {"fp32 master weights": 4 * n, "AdamW moments m, v (fp32)": 8 * n}
+        if cfg.optimizer != "megatrain" or cfg.grad_accum > 1 or cfg.clip:
+            host["gradients p.grad (fp32)"] = 4 * n
+        host["pinned staging slabs"] = cfg.slots * unit * cb + 2 * unit * 4
+        host["data (tokens in RAM)"] = cfg.data_bytes
+        host["checkpoint shard buffer"] = shard
+        dev = {f"weight slots ({cfg.slots} x largest unit)": cfg.slots * unit * cb,
+               "gradient slots (2 x largest unit)": 2 * unit * cb,
+               "layer-boundary activations": L * T * hidden * cb,
+               "one layer's working set": per_layer_act + scores,
+               "logits + loss": logits}
+    plan.host = {k: int(v) for k, v in host.items() if v}
+    plan.device = {k: int(v) for k, v in dev.items() if v}
+    plan.host_total = sum(plan.host.values())
+    plan.device_total = sum(plan.device.values())
+    plan.host_needed = plan.host_total + (plan.device_total if on_cpu else 0)
+
+    flops = cfg.device_flops or (5e10 if on_cpu else (700e12 if cb == 2 else 50e12))
+    xfer_bw = cfg.transfer_bytes_per_s or (10e9 if on_cpu else 55e9)
+    tokens_step = T * cfg.grad_accum
+    attn = 12.0 * L * hidden * cfg.seq
+    if cfg.compile == "eager":
+        plan.flops_per_step = (6.0 * n_matmul + attn) * tokens_step
+        plan.compute_s = plan.flops_per_step / flops
+        plan.host_s = 28.0 * n / (cfg.host_bytes_per_s if on_cpu else 4e12)
+        plan.transfer_s = 0.0
+        plan.step_s = plan.compute_s + plan.host_s
+        plan.bound = "eager: compute then optimizer"
+    else:
+        plan.flops_per_step = (8.0 * n_matmul + attn * 4 / 3) * tokens_step  # with recompute
+        plan.compute_s = plan.flops_per_step / flops
+        plan.transfer_s = cfg.grad_accum * n * (2 * cb + 4) / xfer_bw
+        plan.host_s = 34.0 * n / cfg.host_bytes_per_s
+        plan.step_s = max(plan.compute_s, plan.transfer_s, plan.host_s)
+        plan.bound = "floor with full overlap: " + max(
+            (("compute-bound", plan.compute_s), ("transfer-bound", plan.transfer_s),
+             ("host-memory-bound", plan.host_s)), key=lambda kv: kv[1])[0]
+    return plan
+
+
+def check_fits(plan: MemoryPlan, available: int | None) -> None:
+    """Refuse (RefusedError, exit 2) when host RAM available now cannot hold the run."""
+    if available is None or plan.host_needed <= available:
+        return
+    items = list(plan.host.items())
+    if plan.host_needed != plan.host_total:        # the compute device is the CPU: same RAM
+        items += [(f"{k} (on {plan.cfg.device})", v) for k, v in plan.device.items()]
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(items, key=lambda kv: -kv[1]))
+    raise RefusedError(
+        f"host RAM: this run needs {fmt_bytes(plan.host_needed)} ({plan.host_needed} bytes: "
+        f"{parts}) but only {fmt_bytes(available)} ({available} bytes) is available now; "
+        f"use a smaller --model, fewer --batch-tokens or more --grad-accum, or free host memory"
+    )
+
+
+def explain_summary(step_fn) -> str | None:
+    """The backend's own prediction, once `megatrain.explain(step)` exists (else None).
+
+    Reads whichever of the documented fields the plan object has: predicted peak device
+    bytes and predicted step time (DESIGN.md §1, Introspection).
+    """
+    try:
+        import megatrain
+        explain = megatrain.explain
+    except (ImportError, AttributeError):
+        return None
+    try:
+        info = explain(step_fn)
+    except Exception as e:  # the backend is young: never let introspection stop training
+        return f"megatrain.explain failed: {type(e).__name__}: {e}"
+
+    def pick(*names):
+        for n in names:
+            v = info.get(n) if isinstance(info, dict) else getattr(info, n, None)
+            if v is not None:
+                return v
+        return None
+    peak = pick("predicted_peak_bytes", "predicted_peak_device_bytes", "peak_device_bytes")
+    measured = pick("measured_peak_bytes")
+    step_s = pick("predicted_step_s", "predicted_step_time_s", "step_time_s")
+    parts = []
+    if peak is not None:
+        parts.append(f"predicted peak device {fmt_bytes(peak)}")
+    if measured is not None:
+        parts.append(f"measured peak device {fmt_bytes(measured)}")
+    if step_s is not None:
+        parts.append(f"step {fmt_seconds(step_s)}")
+    return "megatrain.explain: " + (", ".join(parts) if parts else "no prediction fields")

@@ -1,0 +1,49 @@
+"""The memory plan's numbers follow from the parameter count (DESIGN.md §4)."""
+
+import pytest
+import torch
+
+from megatrain.models import PRESETS, Llama
+from megatrain.train.plan import PlanConfig, check_fits, model_flops_per_token, plan_memory
+
+
+def _meta(name):
+    with torch.device("meta"):
+        return Llama(PRESETS[name])
+
+
+def test_host_bytes_per_parameter():
+    model = _meta("tiny")
+    n = sum(p.numel() for p in model.parameters())
+    fast = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda"))
+    assert fast.n_params == n
+    assert fast.host["fp32 master weights"] == 4 * n
+    assert fast.host["AdamW moments m, v (fp32)"] == 8 * n
+    assert "gradients p.grad (fp32)" not in fast.host          # megatrain.AdamW: none
+    compat = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda", optimizer="torch"))
+    assert compat.host["gradients p.grad (fp32)"] == 4 * n
+    assert compat.host_needed == compat.host_total              # device memory is separate
+    cpu = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cpu", compile="eager"))
+    assert cpu.host_needed == cpu.host_total + cpu.device_total  # the CPU is the device
+
+
+def test_8b_plan_and_step_floor():
+    model = _meta("8b")
+    p = plan_memory(model, PlanConfig(tokens=4096, seq=4096, device="cuda"))
+    assert 8.0e9 < p.n_params < 8.1e9
+    assert p.host_total >= 12 * p.n_params
+    # the device holds a few layers and activations, not the model
+    assert p.device_total < 0.5 * 4 * p.n_params
+    assert p.step_s == max(p.compute_s, p.transfer_s, p.host_s) > 0
+    with pytest.raises(ValueError, match="host RAM"):
+        check_fits(p, 64 << 30)
+    check_fits(p, 1 << 40)
+    text = p.table(1 << 40)
+    assert "fp32 master weights" in text and "predicted step" in text and "fits" in text
+
+
+def test_model_flops_per_token():
+    model = _meta("tiny")
+    cfg = PRESETS["tiny"]
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model_flops_per_token(model, 256) == 6 * linear + 12 * cfg.layers * cfg.hidden * 256

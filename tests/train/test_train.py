@@ -1,0 +1,122 @@
+"""End-to-end `megatrain train` on the CPU: loss, metrics, plot, checkpoints, resume."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatrain.cli import main
+from megatrain.train import checkpoint, loop
+
+from _train_helpers import SMALL, rows, run_module, train
+
+
+def test_loss_falls_metrics_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train("--steps", "40", "--seq", "64", "--batch-tokens", "512", "--out", str(out)) == 0
+    r = rows(out)
+    assert [x["step"] for x in r] == list(range(1, 41))
+    for x in r:
+        assert {"step", "loss", "lr", "tokens_per_s", "tflops"} <= set(x)
+        assert x["tokens_per_s"] > 0
+    first, last = r[0]["loss"], sum(x["loss"] for x in r[-5:]) / 5
+    assert first > 5.0 and last < first - 1.5, (first, last)   # ln(256) = 5.55 at init
+    assert r[0]["lr"] < r[5]["lr"] and r[-1]["lr"] < r[10]["lr"]      # warmup, then cosine
+    png = out / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    err = capsys.readouterr().err
+    assert "memory plan" in err and "host RAM available now" in err and "predicted step" in err
+    # `megatrain plot DIR -o FILE`
+    other = tmp_path / "again.png"
+    assert main(["plot", str(out), "-o", str(other)]) == 0
+    assert other.stat().st_size > 10_000
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+
+
+def _weights(ckpt):
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_is_bit_exact(tmp_path, accum):
+    common = ["--steps", "8", "--save-every", "4", "--grad-accum", str(accum), "--lr", "1e-2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert train(*common, "--out", str(a)) == 0
+    assert train(*common, "--out", str(b), "--stop-after", "3") == 0
+    assert [x["step"] for x in rows(b)] == [1, 2, 3]
+    assert [s for s, _ in checkpoint.list_checkpoints(b)] == [3]
+    assert train(*common, "--out", str(b), "--resume") == 0
+    ra, rb = rows(a), rows(b)
+    assert [x["step"] for x in rb] == list(range(1, 9))
+    assert [x["loss"] for x in ra] == [x["loss"] for x in rb]          # bit for bit
+    wa = _weights(checkpoint.latest_checkpoint(a))
+    wb = _weights(checkpoint.latest_checkpoint(b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_checkpoint_contents(tmp_path):
+    out = tmp_path / "run"
+    assert train("--steps", "3", "--out", str(out)) == 0
+    ckpt = checkpoint.latest_checkpoint(out)
+    assert ckpt.name == "step_00000003"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"model.safetensors", "config.json", "optimizer.pt", "rng.pt", "state.json"} <= names
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 3 and state["data"]["index"] == 3 * 4
+    assert state["config"]["seq"] == 32 and "resume" not in state["config"]
+    rng = torch.load(ckpt / "rng.pt", weights_only=True)
+    assert {"torch", "python", "numpy", "cuda"} <= set(rng)
+    assert "model.layers.0.self_attn.q_proj.weight" in _weights(ckpt)
+    # an existing run is not overwritten by accident
+    assert train("--steps", "3", "--out", str(out)) == 2
+    assert train("--steps", "3", "--out", str(out), "--overwrite") == 0
+
+
+def test_compile_path_passes_options(tmp_path, monkeypatch):
+    """`--compile megatrain` goes through torch.compile(backend, options=...): a stand-in
+    backend records the options and runs the graph as is; losses match eager."""
+    seen = []
+
+    def fake_backend(gm, example_inputs, options=None):
+        seen.append(options)
+        return gm.forward
+
+    monkeypatch.setattr(loop, "resolve_backend", lambda: fake_backend)
+    args = ["--steps", "3", "--gpu-memory", "1GiB"]
+    assert train(*args, "--out", str(tmp_path / "e")) == 0
+    assert main(["train", "--compile", "megatrain", "--device", "cpu", "--precision", "fp32",
+                 "--seq", "32", "--batch-tokens", "128", "--no-progress", *args,
+                 "--out", str(tmp_path / "m")]) == 0
+    assert seen and seen[0] == {"device": "cpu", "precision": "fp32", "gpu_memory": "1GiB"}
+    le = [x["loss"] for x in rows(tmp_path / "e")]
+    lm = [x["loss"] for x in rows(tmp_path / "m")]
+    assert lm == pytest.approx(le, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "backend WIP: with 2 CPU threads the megatrain path differs run to run by ~1 ulp in the "
+    "loss (bit-exact with OMP_NUM_THREADS=1; the host optimizer worker changes torch's "
+    "process-wide thread count)"))
+def test_resume_is_bit_exact_with_the_megatrain_backend(tmp_path):
+    """The same contract through torch.compile(backend="megatrain") on the CPU in fp32,
+    each run in its own process as a user would run it."""
+    try:
+        loop.resolve_backend()
+    except loop.RefusedError:
+        pytest.skip("the megatrain backend is not importable")
+    common = ["train", *SMALL, "--compile", "megatrain", "--steps", "4", "--save-every", "2",
+              "--lr", "1e-2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for args in ([*common, "--out", str(a)], [*common, "--out", str(b), "--stop-after", "2"],
+                 [*common, "--out", str(b), "--resume"]):
+        p = run_module(*args, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert [x["loss"] for x in rows(a)] == [x["loss"] for x in rows(b)]
+    wa = _weights(checkpoint.latest_checkpoint(a))
+    wb = _weights(checkpoint.latest_checkpoint(b))
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k

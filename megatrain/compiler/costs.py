@@ -1,0 +1,90 @@
+"""Cost model: seconds per planner task, from FLOP and byte counts over measured rates.
+
+`Rates` is what `megatrain.runtime.probe` measures once per machine. Durations are pure
+functions of (size, rates), and every one of them is non-increasing in every rate, so a
+faster machine can never make a fixed schedule slower; the planner relies on that for its
+"faster links never predict a slower step" guarantee.
+
+Copies in opposite directions share the PCIe link: when a pass moves bytes both ways, each
+direction is charged at most half of the measured both-at-once rate. The split is decided
+per pass from which directions carry bytes, never from the simulated overlap, so a
+duration does not depend on the schedule it sits in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+# Bytes of host memory traffic per parameter: fused AdamW reads param, grad, m, v and
+# writes param, m, v (7 x fp32); accumulating a gradient reads two fp32 and writes one.
+ADAMW_BYTES_PER_PARAM = 28
+ACCUMULATE_BYTES_PER_PARAM = 12
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured (or assumed) speeds of one machine, in bytes/s, FLOP/s and params/s."""
+
+    device: str
+    h2d: float  # host (pinned) -> device, one direction alone
+    d2h: float  # device -> host (pinned), one direction alone
+    duplex: float  # h2d + d2h bytes/s when both run at once
+    flops: float  # matmul FLOP/s in the compute dtype
+    adamw: float  # host fused AdamW, parameters/s
+
+    def __post_init__(self):
+        for name in ("h2d", "d2h", "duplex", "flops", "adamw"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"Rates.{name}={v!r}: rates must be finite and > 0")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Rates":
+        return cls(**{k: data[k] for k in ("device", "h2d", "d2h", "duplex", "flops", "adamw")})
+
+    def scaled(self, link: float = 1.0, compute: float = 1.0, host: float = 1.0) -> "Rates":
+        """The same machine with faster (factor > 1) links, device or host."""
+        return Rates(self.device, self.h2d * link, self.d2h * link, self.duplex * link,
+                     self.flops * compute, self.adamw * host)
+
+
+# The H200 box of DESIGN.md section 4, for examples and tests that need plausible numbers.
+H200 = Rates("NVIDIA H200 (DESIGN.md)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
+
+
+@dataclass(frozen=True)
+class LinkRates:
+    """Effective copy rates inside one pass, after sharing the link between directions."""
+
+    h2d: float
+    d2h: float
+
+
+def link_rates(rates: Rates, moves_h2d: bool, moves_d2h: bool) -> LinkRates:
+    """Each direction alone gets its own rate; both at once split `duplex` evenly (capped)."""
+    if moves_h2d and moves_d2h:
+        half = rates.duplex / 2
+        return LinkRates(min(rates.h2d, half), min(rates.d2h, half))
+    return LinkRates(rates.h2d, rates.d2h)
+
+
+def copy_seconds(nbytes: int, rate: float) -> float:
+    return nbytes / rate if nbytes > 0 else 0.0
+
+
+def compute_seconds(flops: int, rates: Rates) -> float:
+    return flops / rates.flops if flops > 0 else 0.0
+
+
+def host_step_seconds(numel: int, rates: Rates) -> float:
+    return numel / rates.adamw if numel > 0 else 0.0
+
+
+def host_accumulate_seconds(numel: int, rates: Rates) -> float:
+    """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW."""
+    host_bandwidth = rates.adamw * ADAMW_BYTES_PER_PARAM
+    return numel * ACCUMULATE_BYTES_PER_PARAM / host_bandwidth if numel > 0 else 0.0

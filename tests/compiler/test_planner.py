@@ -1,0 +1,350 @@
+"""The step planner: property tests (hypothesis) against the independent validator, plus
+metamorphic properties and hand-built cases.
+
+Example counts scale with MEGATRAIN_PLANNER_SCALE (default 1: the whole file in well under
+90 s on two cores; CI may raise it for a soak run). Every example plans (several simulated
+schedules each) and validates the result.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import sympy
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from megatrain.compiler.costs import H200, Rates
+from megatrain.compiler.planner import (
+    InfeasibleBudget,
+    PlanConfig,
+    PlannerOptions,
+    Problem,
+    RegionSpec,
+    Weight,
+    largest_fitting,
+    plan_step,
+    simulate,
+)
+from megatrain.compiler.validate import ScheduleInvalid, min_budget, validate, violations
+from megatrain.errors import MegatrainValueError
+
+SCALE = float(os.environ.get("MEGATRAIN_PLANNER_SCALE", "1"))
+
+
+def budget_settings(n: int):
+    return settings(max_examples=max(1, int(n * SCALE)), deadline=None, derandomize=False,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.large_base_example])
+
+
+# --------------------------------------------------------------------------------------
+# Strategies
+# --------------------------------------------------------------------------------------
+
+# Sizes spread over nine orders of magnitude, zero included: very different regions.
+def log_uniform(lo_exp: int, hi_exp: int, zeros: int = 2):
+    """Zero (now and then) or a number of 2**lo_exp .. 2**hi_exp with a uniform exponent."""
+    return st.integers(lo_exp - zeros, hi_exp).flatmap(
+        lambda e: st.just(0) if e < lo_exp else st.integers(1 << e, (2 << e) - 1))
+
+
+sizes = log_uniform(0, 30)
+flops = log_uniform(20, 44)
+
+
+def rate(lo: float, hi: float):
+    return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
+
+
+rates_st = st.builds(lambda h, d, x, f, a: Rates("hypothesis", h, d, x, f, a),
+                     rate(1e8, 1e11), rate(1e8, 1e11), rate(1e8, 2e11), rate(1e9, 1e15), rate(1e6, 1e10))
+
+
+@st.composite
+def problems(draw, max_regions: int = 10, min_regions: int = 1):
+    """Chains and DAGs: branches (a region reading an earlier one only), skip connections,
+    several sources and sinks, weights shared by several regions, weightless regions, any
+    valid backward order, gradient accumulation."""
+    n = draw(st.integers(min_regions, max_regions))
+    rng = draw(st.randoms(use_true_random=False))
+    outs = sizes if rng.random() < 0.5 else log_uniform(16, 32)  # half: activation-heavy
+    regions = []
+    weights = [Weight(i, draw(sizes), draw(st.integers(0, 1 << 30)), draw(st.one_of(st.none(), sizes)))
+               for i in range(n)]
+    for i in range(n):
+        inputs = set()
+        if i and rng.random() < 0.85:
+            inputs.add(i - 1)  # the chain
+        if i > 1 and rng.random() < 0.3:
+            inputs.add(rng.randrange(i - 1))  # a skip connection or a branch
+        ws = set()
+        if rng.random() < 0.8:
+            ws.add(i)
+        if rng.random() < 0.15:
+            ws.add(rng.randrange(n))  # a weight shared with another region (tied)
+        regions.append(RegionSpec(i, tuple(sorted(ws)), tuple(sorted(inputs)), draw(outs), draw(sizes),
+                                  draw(sizes), draw(flops), draw(st.one_of(st.none(), flops))))
+    backward = None
+    if rng.random() < 0.3:  # some other valid backward order: consumers before producers
+        consumers = {r.id: [c.id for c in regions if r.id in c.inputs] for r in regions}
+        left = {r.id: len(consumers[r.id]) for r in regions}
+        ready = [r for r, c in left.items() if c == 0]
+        backward = []
+        while ready:
+            r = ready.pop(rng.randrange(len(ready)))
+            backward.append(r)
+            for i in regions[r].inputs:
+                left[i] -= 1
+                if left[i] == 0:
+                    ready.append(i)
+    used = {w for r in regions for w in r.weights}
+    weights = [w for w in weights if w.id in used]
+    return Problem(tuple(regions), tuple(weights), tuple(backward) if backward else None,
+                   draw(st.one_of(st.just(0), sizes)), draw(st.integers(1, 3)))
+
+
+# Below the least budget (must raise), at it, just above it (offloading pays), roomy.
+budget_factors = st.one_of(st.floats(0.3, 1.0), st.just(1.0), st.floats(1.0, 1.5), st.floats(1.0, 4.0))
+SMALL = PlannerOptions(max_slots=2, reload_leads=(0, 1), release_lags=(0, 1))
+OPTIONS = st.sampled_from([SMALL, PlannerOptions()])
+
+
+def plan_or_none(problem, budget, rates, options):
+    try:
+        return plan_step(problem, budget, rates, options=options)
+    except InfeasibleBudget:
+        return None
+
+
+# --------------------------------------------------------------------------------------
+# Properties
+# --------------------------------------------------------------------------------------
+
+
+def check_plan(problem, factor, rates, options):
+    lb = min_budget(problem)
+    budget = max(1, int(lb * factor))
+    try:
+        plan = plan_step(problem, budget, rates, options=options)
+    except InfeasibleBudget as e:
+        # The validator's own lower bound confirms that nothing fits, and the error names it.
+        assert budget < lb
+        assert e.min_budget == lb
+        assert str(lb) in str(e)
+        event("infeasible")
+        return
+    assert budget >= lb
+    validate(plan.schedule, budget)
+    assert lb <= plan.peak_bytes <= budget
+    assert plan.step_time >= plan.schedule.compute_seconds * (1 - 1e-9)
+    cfg = plan.config
+    event(f"slots={cfg.slots} lead={cfg.weight_lead} reload={cfg.reload_lead} lag={cfg.release_lag}")
+    event("some outputs offloaded" if cfg.offloaded else "no output offloaded")
+    event(f"{plan.simulated} schedules simulated")
+
+
+@budget_settings(1000)
+@given(problem=problems(), factor=budget_factors, rates=rates_st, options=OPTIONS)
+def test_plans_pass_the_validator_or_no_schedule_fits(problem, factor, rates, options):
+    check_plan(problem, factor, rates, options)
+
+
+def random_problem(rng: random.Random, n: int) -> Problem:
+    """A large DAG like `problems` draws, from one seed (hypothesis would need thousands of
+    draws for 200 regions)."""
+
+    def size(lo=0, hi=30):
+        return 0 if rng.random() < 0.06 else rng.randint(1 << lo, 2 << rng.randint(lo, hi))
+
+    regions = []
+    for i in range(n):
+        inputs = {i - 1} if i and rng.random() < 0.85 else set()
+        if i > 1 and rng.random() < 0.3:
+            inputs.add(rng.randrange(i - 1))
+        ws = {i} if rng.random() < 0.8 else set()
+        if rng.random() < 0.15:
+            ws.add(rng.randrange(n))
+        regions.append(RegionSpec(i, tuple(sorted(ws)), tuple(sorted(inputs)), size(), size(), size(),
+                                  size(20, 44), None))
+    used = sorted({w for r in regions for w in r.weights})
+    weights = [Weight(w, size(), rng.randint(0, 1 << 30)) for w in used]
+    return Problem(tuple(regions), tuple(weights), None, size(), rng.randint(1, 2))
+
+
+@budget_settings(6)
+@given(n=st.integers(100, 200), seed=st.integers(0, 2**32), factor=budget_factors, rates=rates_st)
+def test_large_dags_plan_and_validate(n, seed, factor, rates):
+    check_plan(random_problem(random.Random(seed), n), factor, rates, PlannerOptions())
+
+
+@budget_settings(1500)
+@given(problem=problems(max_regions=8), rates=rates_st, data=st.data())
+def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data):
+    """Not only the planner's pick: any point of the search space is a valid schedule."""
+    offloadable = [r.id for r in problem.regions if any(r.id in c.inputs for c in problem.regions)]
+    cfg = PlanConfig(slots=data.draw(st.integers(1, 4)),
+                     weight_lead=data.draw(st.one_of(st.none(), st.integers(0, 3))),
+                     reload_lead=data.draw(st.integers(0, 3)),
+                     release_lag=data.draw(st.integers(0, 3)),
+                     offloaded=frozenset(data.draw(st.lists(st.sampled_from(offloadable), unique=True)))
+                     if offloadable else frozenset())
+    sched = simulate(problem, cfg, rates, steps=data.draw(st.integers(1, 3)))
+    validate(sched, sched.peak_bytes)
+    assert sched.peak_bytes >= min_budget(problem)
+
+
+@budget_settings(300)
+@given(problem=problems(max_regions=8), rates=rates_st, data=st.data())
+def test_peak_curve_matches_the_program_walk(problem, rates, data):
+    """The planner's fast peak (prefix sums over one program) equals walking each program."""
+    from megatrain.compiler.planner import _PeakCurve, _program, _Shape, program_peak
+
+    sh = _Shape(problem)
+    curve = _PeakCurve(sh, data.draw(st.integers(1, 3)), data.draw(st.one_of(st.none(), st.integers(0, 2))),
+                       data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2)))
+    m = data.draw(st.integers(0, len(sh.offloadable)))
+    want = program_peak(_program(sh, curve.config(m), 1, memory_only=True), problem.base_bytes)[0]
+    assert curve.peak(m)[0] == want
+
+
+@budget_settings(300)
+@given(problem=problems(max_regions=8), f1=st.floats(0.9, 3.0), more=st.floats(1.0, 3.0),
+       rates=rates_st, options=OPTIONS)
+def test_more_budget_never_predicts_a_slower_step(problem, f1, more, rates, options):
+    lb = min_budget(problem)
+    small = plan_or_none(problem, int(lb * f1), rates, options)
+    assume(small is not None)
+    large = plan_step(problem, int(lb * f1 * more), rates, options=options)
+    assert large.step_time <= small.step_time
+
+
+@budget_settings(300)
+@given(problem=problems(max_regions=8), factor=st.floats(1.0, 3.0), rates=rates_st,
+       faster=st.tuples(*[st.floats(1.0, 10.0)] * 3), others=st.tuples(st.floats(1.0, 10.0), st.floats(1.0, 10.0)),
+       options=OPTIONS)
+def test_faster_machines_never_predict_a_slower_step(problem, factor, rates, faster, others, options):
+    budget = int(min_budget(problem) * factor)
+    slow = plan_step(problem, budget, rates, options=options)
+    quick = Rates(rates.device, rates.h2d * faster[0], rates.d2h * faster[1], rates.duplex * faster[2],
+                  rates.flops, rates.adamw)
+    assert plan_step(problem, budget, quick, options=options).step_time <= slow.step_time
+    quicker = quick.scaled(compute=others[0], host=others[1])
+    assert plan_step(problem, budget, quicker, options=options).step_time <= slow.step_time
+
+
+# --------------------------------------------------------------------------------------
+# Hand-built cases: what the planner chooses, and why
+# --------------------------------------------------------------------------------------
+
+GB = 10**9
+
+
+def llama_like(n=8, micro=1, weight=200_000_000, act=100_000_000, flops=4 * 10**12):
+    return Problem.chain([weight] * n, out_bytes=act, flops=flops, work_fw=3 * act, work_bw=6 * act,
+                         micro_batches=micro)
+
+
+def test_budget_buys_prefetch_depth_then_keeps_activations():
+    p = llama_like()
+    lean = plan_step(p, min_budget(p), H200)
+    assert lean.config.slots == 1 and lean.config.offloaded  # everything offloaded, no overlap
+    roomy = plan_step(p, 100 * GB, H200)
+    assert roomy.config.slots >= 2 and not roomy.config.offloaded
+    assert roomy.step_time < lean.step_time
+    assert roomy.gpu_idle < lean.gpu_idle
+    for plan, budget in ((lean, min_budget(p)), (roomy, 100 * GB)):
+        validate(plan.schedule, budget)
+
+
+def test_infeasible_budget_names_the_minimum():
+    p = llama_like()
+    need = min_budget(p)
+    with pytest.raises(MegatrainValueError, match=f"gpu_memory >= {need} bytes") as info:
+        plan_step(p, need - 1, H200)
+    assert isinstance(info.value, ValueError) and info.value.min_budget == need
+    # One region larger than the whole budget: nothing can fit, whatever else is small.
+    big = Problem.chain([10, 5 * GB, 10])
+    with pytest.raises(InfeasibleBudget) as info:
+        plan_step(big, GB, H200)
+    assert info.value.min_budget == min_budget(big) >= 5 * GB
+
+
+def test_symbolic_sizes_peak_expression_and_longest_fitting_sequence():
+    B, T = sympy.symbols("batch seq", positive=True, integer=True)
+    hidden = 4096
+    act = 2 * B * T * hidden
+    p = Problem.chain([400_000_000] * 6, out_bytes=act, flops=2 * B * T * 200_000_000,
+                      work_fw=6 * act, work_bw=12 * act)
+    plan = plan_step(p, 8 * GB, H200, dims={B: 1, "seq": 4096})
+    expr = plan.peak_expression()
+    assert expr.free_symbols == {B, T}
+    assert int(expr.subs({B: 1, T: 4096})) == plan.peak_bytes
+    longest = largest_fitting(expr, T, 8 * GB, {B: 1})
+    assert int(expr.subs({B: 1, T: longest})) <= 8 * GB < int(expr.subs({B: 1, T: longest + 1}))
+    with pytest.raises(MegatrainValueError, match="batch"):
+        plan_step(p, 8 * GB, H200, dims={T: 4096})
+
+
+def test_shared_weight_gradient_leaves_once_after_its_last_producer():
+    # Tied embedding: region 0 (embed) and region 3 (head) read weight 0.
+    w = [Weight(0, 1000, 500), Weight(1, 100, 50), Weight(2, 100, 50)]
+    regions = [RegionSpec(0, (0,), (), 10, 1, 1, 10**9), RegionSpec(1, (1,), (0,), 10, 1, 1, 10**9),
+               RegionSpec(2, (2,), (1,), 10, 1, 1, 10**9), RegionSpec(3, (0,), (2,), 10, 1, 1, 10**9)]
+    p = Problem(tuple(regions), tuple(w), micro_batches=2)
+    plan = plan_step(p, 10**6, H200)
+    validate(plan.schedule, 10**6)
+    d2h = [t for t in plan.schedule.streams["d2h"] if t.kind == "d2h" and 0 in plan.schedule.graph.nodes[t]["weights"]]
+    assert [t.region for t in d2h] == [0] * 4  # owner: region 0, last in backward; 2 micro x 2 steps
+    hosts = [t for t in plan.schedule.streams["host"] if t.region == 0]
+    assert [(t.kind, t.micro) for t in hosts] == [("host_acc", 0), ("host_step", 1)] * 2
+
+
+def test_validator_catches_broken_schedules():
+    p = llama_like(4)
+    plan = plan_step(p, 100 * GB, H200)
+    s = plan.schedule
+    validate(s, 100 * GB)
+    assert violations(s, s.peak_bytes - 1)  # over budget
+    # Move one compute before its weights arrive.
+    c = next(t for t in s.streams["compute"] if t.kind == "compute" and t.region == 2)
+    start = dict(s.start)
+    start[c] = 0.0
+    broken = type(s)(**{**s.__dict__, "start": start})
+    with pytest.raises(ScheduleInvalid, match="before its weights"):
+        validate(broken)
+    # Two regions in one slot.
+    slot_of = {t: 0 for t in s.slot_of}
+    crowded = type(s)(**{**s.__dict__, "slot_of": slot_of})
+    if s.config.slots > 1:
+        assert any("holds region" in v for v in violations(crowded))
+    # A host step that no longer waits for its gradient.
+    h = next(t for t in s.streams["host"] if t.kind == "host_step")
+    start = dict(s.start)
+    start[h] = 0.0
+    early = type(s)(**{**s.__dict__, "start": start})
+    assert any("host step" in v for v in violations(early))
+
+
+def test_problem_errors_name_the_value():
+    with pytest.raises(MegatrainValueError, match="forward"):
+        Problem((RegionSpec(0, (), (1,)), RegionSpec(1)))
+    with pytest.raises(MegatrainValueError, match="backward_order"):
+        Problem((RegionSpec(0), RegionSpec(1, (), (0,))), backward_order=(0, 1))
+    with pytest.raises(MegatrainValueError, match="unknown weights"):
+        Problem((RegionSpec(0, (3,)),))
+    with pytest.raises(ValueError, match="rates must be"):
+        Rates("x", 0, 1, 1, 1, 1)
+
+
+def test_many_random_chains_stay_valid_quickly():
+    """A cheap sweep beside hypothesis: plain random chains of every length up to 200."""
+    rng = random.Random(7)
+    for n in (1, 2, 3, 5, 17, 64, 200):
+        p = Problem.chain([rng.choice([0, 10**3, 10**6, 10**9]) for _ in range(n)],
+                          out_bytes=[rng.randint(0, 10**8) for _ in range(n)],
+                          flops=[rng.randint(0, 10**13) for _ in range(n)], work_bw=10**7)
+        budget = int(min_budget(p) * rng.uniform(1, 3))
+        validate(plan_step(p, budget, H200, options=SMALL).schedule, budget)

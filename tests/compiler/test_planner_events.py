@@ -1,0 +1,125 @@
+"""The planner's event lists drive the existing FX pass: `insert_transfers` materialises
+exactly the planned order (prefetch_schedule swapped for the plan), and the graph still
+computes what the unscheduled graph computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses import FakeTensorMode
+
+import megatrain  # noqa: F401  (registers the ops)
+from megatrain.compiler import ops, passes
+from megatrain.compiler.costs import H200
+from megatrain.compiler.planner import PlanConfig, Problem, graph_events, plan_step, simulate
+from megatrain.compiler.schedule import RegionUse
+from megatrain.compiler.validate import min_budget
+from megatrain.runtime import streamer as streamer_mod
+
+aten = torch.ops.aten
+HIDDEN = 8
+
+
+def _streamer() -> int:
+    return streamer_mod.register(streamer_mod.Streamer(torch.device("cpu"), torch.float32, 1 << 30, []))
+
+
+def _graph(sid: int, order: list[int]) -> fx.GraphModule:
+    """y = relu(y @ W_r^T) for r in `order`: one fetched weight per region."""
+    fake = FakeTensorMode()
+    g = fx.Graph()
+    weights = {r: g.placeholder(f"w{r}") for r in sorted(order)}
+    x = g.placeholder("x")
+    with fake:
+        for w in weights.values():
+            w.meta["val"] = torch.empty(HIDDEN, HIDDEN)
+        x.meta["val"] = torch.empty(4, HIDDEN)
+    y = x
+    for r in order:
+        f = g.call_function(ops.FETCH, (weights[r], sid, r, r, False))
+        mm = g.call_function(aten.mm.default, (y, g.call_function(aten.t.default, (f,))))
+        y = g.call_function(aten.relu.default, (mm,))
+        with fake:
+            f.meta["val"] = torch.empty(HIDDEN, HIDDEN)
+            for n in (mm, y):
+                n.meta["val"] = torch.empty(4, HIDDEN)
+            mm.args[1].meta["val"] = torch.empty(HIDDEN, HIDDEN)
+    g.output((y,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _uses(gm: fx.GraphModule) -> list[RegionUse]:
+    """First and last node of each region, as insert_transfers computes them."""
+    nodes = list(gm.graph.nodes)
+    out = []
+    for i, n in enumerate(nodes):
+        if n.target is ops.FETCH:
+            r = n.args[2]
+            readers = [nodes.index(u) for u in n.users] + [nodes.index(v) for u in n.users for v in u.users]
+            out.append(RegionUse(r, i, max(readers), HIDDEN * HIDDEN * 4))
+    return out
+
+
+@pytest.mark.parametrize("budget_regions", [1, 2, 3, 9])
+def test_insert_transfers_materialises_the_planned_order(monkeypatch, budget_regions):
+    n = 6
+    sid = _streamer()
+    fw = _graph(sid, list(range(n)))
+    bw = _graph(sid, list(reversed(range(n))))
+    fw_uses, bw_uses = _uses(fw), _uses(bw)
+    problem = Problem.chain([u.nbytes for u in fw_uses], out_bytes=4 * HIDDEN * 4, flops=10**6)
+    budget = min_budget(problem) + (budget_regions - 1) * HIDDEN * HIDDEN * 4
+    plan = plan_step(problem, budget, H200)
+    events = plan.events(fw_uses, bw_uses)
+    planned = {"forward": events.forward, "backward": events.backward}
+    for kind, gm in (("forward", fw), ("backward", bw)):
+        monkeypatch.setattr(passes, "prefetch_schedule", lambda uses, slots, kind=kind: planned[kind])
+        sched = passes.insert_transfers(gm, kind, sid, plan.config.slots, torch.device("cpu"), torch.float32)
+        assert sched.prefetch_count == n
+        # The graph holds the planned ops in the planned order.
+        got = [(nd.target, nd.args[3] if nd.target is ops.PREFETCH else nd.args[2] if nd.target is ops.WAIT
+                else nd.args[3]) for nd in gm.graph.nodes if nd.target in (ops.PREFETCH, ops.WAIT, ops.EVICT)]
+        names = {ops.PREFETCH: "prefetch", ops.WAIT: "wait", ops.EVICT: "evict"}
+        assert [(names[t], r) for t, r in got] == [(e.kind, e.region) for e in planned[kind]]
+        resident, most = set(), 0
+        for t, r in got:
+            if t is ops.PREFETCH:
+                resident.add(r)
+                most = max(most, len(resident))
+            elif t is ops.EVICT:
+                resident.discard(r)
+        assert most <= plan.config.slots
+        weights = [torch.randn(HIDDEN, HIDDEN) for _ in range(n)]
+        x = torch.randn(4, HIDDEN)
+        order = range(n) if kind == "forward" else reversed(range(n))
+        y = x
+        for r in order:
+            y = torch.relu(y @ weights[r].t())
+        (out,) = gm(*weights, x)
+        torch.testing.assert_close(out, y)
+
+
+def test_activation_events_anchor_to_their_regions():
+    n = 5
+    sid = _streamer()
+    fw_uses, bw_uses = _uses(_graph(sid, list(range(n)))), _uses(_graph(sid, list(reversed(range(n)))))
+    problem = Problem.chain([u.nbytes for u in fw_uses], out_bytes=1000, flops=10**6, micro_batches=2)
+    cfg = PlanConfig(slots=2, weight_lead=None, reload_lead=1, release_lag=0, offloaded=frozenset({0, 2}))
+    ev = graph_events(simulate(problem, cfg, H200), fw_uses, bw_uses)
+    fw = {(e.kind, e.region): e for e in ev.forward_all}
+    last = {u.region: u.last for u in fw_uses}
+    assert fw[("offload", 0)].anchor == last[0] and fw[("offload", 0)].after
+    assert fw[("offload_wait", 0)].anchor == last[1]  # after its reader, region 1
+    bw = {(e.kind, e.region): e for e in ev.backward_all}
+    first = {u.region: u.first for u in bw_uses}
+    blast = {u.region: u.last for u in bw_uses}
+    assert bw[("reload_wait", 2)].anchor == first[3] and not bw[("reload_wait", 2)].after
+    # Reload lead 1: issued one backward compute before its reader (region 1 for output 0,
+    # region 3 for output 2, i.e. at graph start).
+    assert (bw[("reload", 0)].anchor, bw[("reload", 0)].after) == (blast[3], True)
+    assert bw[("reload", 2)].anchor == -1
+    assert [e.kind for e in ev.backward_all].count("grad_wait") == n
+    assert all(e.kind in ("prefetch", "wait", "evict") for e in ev.forward + ev.backward)
+    with pytest.raises(ValueError, match="order"):
+        graph_events(simulate(problem, cfg, H200), bw_uses, fw_uses)

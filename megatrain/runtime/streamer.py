@@ -236,6 +236,11 @@ class Streamer:
         owners = {}
         for p, g in zip(params, grads):
             opt = owner_of(p)
+            if opt is None:
+                # The optimizer this graph was compiled for is gone: keep the gradient
+                # where any torch optimizer finds it, like autograd would.
+                p.grad = g if p.grad is None else p.grad.add_(g)
+                continue
             owners.setdefault(id(opt), (opt, [], []))
             owners[id(opt)][1].append(p)
             owners[id(opt)][2].append(g)

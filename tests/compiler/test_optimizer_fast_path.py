@@ -85,3 +85,23 @@ def test_clipping_is_exact_through_the_backend():
         opt_ref.zero_grad()
         opt.zero_grad()
     assert rel(flat(streamed.parameters()), flat(ref.parameters())) < 1e-4
+
+
+def test_gradients_land_in_p_grad_when_the_optimizer_is_gone():
+    ref, opt_ref, streamed, opt, step = _pair()
+    ids, labels = random_batches(160, 1, batch=2, seq=16)[0]
+    step(ids, labels=labels).backward()  # compiles for the fast path
+    opt.step()
+    opt.zero_grad()
+    ref(ids, labels=labels).backward()
+    opt_ref.step()
+    opt_ref.zero_grad()
+    del opt
+    import gc
+
+    gc.collect()
+    ref(ids, labels=labels).backward()
+    step(ids, labels=labels).backward()
+    for p, q in zip(streamed.parameters(), ref.parameters()):
+        assert p.grad is not None
+    assert rel(flat(p.grad for p in streamed.parameters()), flat(q.grad for q in ref.parameters())) < 1e-4

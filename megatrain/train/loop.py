@@ -87,6 +87,11 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig):
     if cfg.compile == "eager":
         return model
     options = {"device": cfg.device, "precision": cfg.precision}
+    if torch.device(cfg.device).type == "cpu":
+        # Resume is exact only if a step computes the same bits every time. Inductor's CPU
+        # code accumulates the embedding gradient with atomic adds, whose order varies
+        # between runs with 2+ threads; deterministic mode makes it use ATen's index_put.
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if cfg.gpu_memory is not None:
         options["gpu_memory"] = cfg.gpu_memory
     return torch.compile(model, backend=resolve_backend(), options=options)

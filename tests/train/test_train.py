@@ -96,11 +96,6 @@ def test_compile_path_passes_options(tmp_path, monkeypatch):
     assert lm == pytest.approx(le, rel=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "backend WIP: with 2 CPU threads the megatrain path differs run to run by ~1 ulp in the "
-    "loss (bit-exact with OMP_NUM_THREADS=1; the host optimizer worker changes torch's "
-    "process-wide thread count)"))
 def test_resume_is_bit_exact_with_the_megatrain_backend(tmp_path):
     """The same contract through torch.compile(backend="megatrain") on the CPU in fp32,
     each run in its own process as a user would run it."""

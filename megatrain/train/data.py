@@ -72,10 +72,13 @@ def load_tokens(src: DataSource, tokenizer, vocab_size: int, data_dtype: str = "
         for i, f in enumerate(src.files):
             if i:
                 parts.append(tokenizer.encode("\n\n"))
-            parts.append(tokenizer.encode_bytes(f.read_bytes()))
+            raw = f.read_bytes()
+            _check_utf8(raw, f)
+            parts.append(tokenizer.encode_bytes(raw))
         tokens = np.concatenate(parts) if parts else np.zeros(0, np.uint16)
     elif src.kind == "jsonl":
         texts = []
+        _check_utf8(src.path.read_bytes(), src.path)
         with open(src.path, encoding="utf-8") as fh:
             for n, line in enumerate(fh, 1):
                 if not line.strip():
@@ -166,3 +169,13 @@ class TokenLoader:
                                    f"{state[key]}, this run has {mine[key]}; resume with the same "
                                    f"--data, --tokenizer, --seq, --batch-tokens, --grad-accum, --seed")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+def _check_utf8(raw: bytes, path) -> None:
+    """Text data must be UTF-8: a binary or legacy-encoded file passed as text is a mistake
+    the byte tokenizer would otherwise train on silently."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RefusedError(f"--data {path}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
+                           f"convert it (e.g. iconv -t utf-8) or pass token ids as .bin/.npy") from None

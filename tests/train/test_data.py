@@ -144,3 +144,20 @@ def test_hf_tokenizer_folder(tmp_path, monkeypatch):
                  "--data", str(text), "--out", str(out)) == 0
     ckpt = checkpoint.latest_checkpoint(out)
     assert (ckpt / "tokenizer.json").is_file() and (ckpt / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("name, payload", [
+    ("latin1.txt", "café au lait".encode("latin-1")),
+    ("latin1.jsonl", b'{"text": "caf\xe9"}\n'),
+])
+def test_non_utf8_text_is_refused_with_exit_2(tmp_path, capsys, name, payload):
+    bad = tmp_path / name
+    bad.write_bytes(payload)
+    out = tmp_path / "r"
+    assert train("--steps", "2", "--seq", "32", "--batch-tokens", "128", "--data", str(bad),
+                 "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "not UTF-8 text" in last and str(bad) in last, err  # one clear line ...
+    assert "Traceback" not in err  # ... not a traceback
+    assert not (out / "metrics.jsonl").exists()

@@ -225,6 +225,9 @@ def _validate(cfg: TrainConfig) -> None:
     _need(cfg.warmup is None or 0 <= cfg.warmup <= cfg.steps,
           f"--warmup {cfg.warmup}: must be between 0 and --steps {cfg.steps}")
     _need(math.isfinite(cfg.clip) and cfg.clip >= 0, f"--clip {cfg.clip}: must be >= 0 (0: off)")
+    _need(not (cfg.resume and cfg.overwrite),
+          "--resume and --overwrite conflict: --resume continues the run in --out, --overwrite "
+          "starts it over; pass one")
     _need(cfg.weight_decay >= 0, f"--weight-decay {cfg.weight_decay}: must be >= 0")
     _need(0 <= cfg.min_lr_ratio <= 1, f"--min-lr-ratio {cfg.min_lr_ratio}: must be in [0, 1]")
     _need(cfg.compile in ("megatrain", "eager"),

@@ -54,6 +54,7 @@ BAD = [
     (["--device", "tpu"], "--device tpu"),
     (["--gpu-memory", "lots"], "--gpu-memory 'lots'"),
     (["--resume"], "--resume: no complete checkpoint"),
+    (["--resume", "--overwrite"], "--resume and --overwrite conflict"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["--device", "cuda"], "no CUDA GPU"))

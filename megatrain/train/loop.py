@@ -181,6 +181,9 @@ def resolve_config(given: dict) -> tuple[TrainConfig, Path | None]:
     model = given.get("model", TrainConfig.model)
     out = Path(given.get("out") or Path("runs") / _model_name(model))
     ckpt = None
+    if given.get("resume") and given.get("overwrite"):
+        raise RefusedError("--resume and --overwrite conflict: --resume continues the run in "
+                           "--out, --overwrite starts it over; pass one")
     if given.get("resume"):
         ckpt = checkpoint.latest_checkpoint(out)
         if ckpt is None:
@@ -225,9 +228,6 @@ def _validate(cfg: TrainConfig) -> None:
     _need(cfg.warmup is None or 0 <= cfg.warmup <= cfg.steps,
           f"--warmup {cfg.warmup}: must be between 0 and --steps {cfg.steps}")
     _need(math.isfinite(cfg.clip) and cfg.clip >= 0, f"--clip {cfg.clip}: must be >= 0 (0: off)")
-    _need(not (cfg.resume and cfg.overwrite),
-          "--resume and --overwrite conflict: --resume continues the run in --out, --overwrite "
-          "starts it over; pass one")
     _need(cfg.weight_decay >= 0, f"--weight-decay {cfg.weight_decay}: must be >= 0")
     _need(0 <= cfg.min_lr_ratio <= 1, f"--min-lr-ratio {cfg.min_lr_ratio}: must be in [0, 1]")
     _need(cfg.compile in ("megatrain", "eager"),

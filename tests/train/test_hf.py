@@ -126,3 +126,23 @@ def test_folder_without_weights_starts_from_random_init(tmp_path):
     (src / "config.json").write_text(json.dumps(CONFIG))
     assert main(["train", *SMALL, "--model", str(src), "--steps", "1",
                  "--out", str(tmp_path / "r")]) == 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path, tied):
+    """The checkpoint folder of a run is a Hugging Face model folder: transformers loads it
+    and computes what megatrain's model computes."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    cfg = dict(CONFIG, tie_word_embeddings=tied)
+    src = tmp_path / "hf"
+    _write_folder(src, cfg, dtype=torch.float32)
+    out = tmp_path / "run"
+    assert train("--model", str(src), "--steps", "2", "--lr", "1e-3", "--out", str(out)) == 0
+    ckpt = checkpoint.latest_checkpoint(out)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(ckpt), torch_dtype=torch.float32)
+    theirs.eval()
+    ours = Llama(hf.llama_config_from_hf(json.loads((ckpt / "config.json").read_text())))
+    hf.load_weights(ours, hf.weight_files(ckpt))
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)

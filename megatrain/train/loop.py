@@ -412,7 +412,7 @@ def train(given: dict, available_bytes=None) -> dict:
                     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 with accumulating(opt, micro == cfg.grad_accum - 1):
                     with autocast:
-                        loss = step_fn(x, labels=y)
+                        loss = _first_call_refusals(step_fn, x, y, step == start + 1 and micro == 0)
                     (loss / cfg.grad_accum).backward()
                 loss_sum += float(loss.detach())
             gnorm = clip_gradients(model, opt, cfg.clip)
@@ -481,3 +481,18 @@ def _progress(cfg: TrainConfig, start: int):
         return None
     return tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
                 mininterval=0.5, file=sys.stderr)
+
+
+def _first_call_refusals(step_fn, x, y, first: bool):
+    """The backend compiles on the first call and checks its budget then, before any compute:
+    a budget or option it refuses is the user's to fix (exit 2), not a crash."""
+    if not first:
+        return step_fn(x, labels=y)
+    try:
+        from megatrain.errors import MegatrainTypeError, MegatrainValueError
+    except ImportError:
+        return step_fn(x, labels=y)
+    try:
+        return step_fn(x, labels=y)
+    except (MegatrainValueError, MegatrainTypeError) as e:
+        raise RefusedError(str(e)) from None

@@ -97,3 +97,13 @@ def test_parse_bytes():
     assert plan.parse_bytes(123) == 123
     with pytest.raises(ValueError, match="16GiB"):
         plan.parse_bytes("16 apples")
+
+
+def test_gpu_budget_the_backend_refuses_exits_2_before_training(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train("--compile", "megatrain", "--device", "cpu", "--precision", "fp32", "--seq", "32",
+                 "--batch-tokens", "128", "--no-progress", "--steps", "2", "--gpu-memory", "100000",
+                 "--out", str(out)) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold even one region" in err and "needs" in err and "Traceback" not in err
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()

@@ -29,7 +29,18 @@ from .plan import GraphPlan
 _seen_breaks = 0
 
 
-def _warn_graph_breaks() -> None:
+def _graph_end(gm: torch.fx.GraphModule) -> str:
+    """The user source line of the graph's last op: where dynamo stopped this graph."""
+    for node in reversed(gm.graph.nodes):
+        trace = node.meta.get("stack_trace")
+        if trace:
+            lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+            if lines:
+                return lines[-1]
+    return "<unknown>"
+
+
+def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
     """Dynamo records why it split the frame before it calls us for the first piece."""
     global _seen_breaks
     from torch._dynamo.utils import counters
@@ -44,8 +55,9 @@ def _warn_graph_breaks() -> None:
     if total > _seen_breaks:
         reasons = "; ".join(str(r).splitlines()[0] for r in list(breaks)[-3:])
         warnings.warn(
-            f"megatrain: the model has a graph break ({reasons}); each graph streams on its own "
-            f"and trains correctly, but transfers do not overlap across the break", stacklevel=2)
+            f"megatrain: the model has a graph break ({reasons}); this graph ends at {_graph_end(gm)}. "
+            f"Each graph streams on its own and trains correctly, but transfers do not overlap "
+            f"across the break", stacklevel=2)
     _seen_breaks = total
 
 
@@ -71,7 +83,7 @@ def _check_region_budget(regions, params, region_params, opts: Options) -> None:
 
 def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **kwargs):
     opts = parse_options({**(options or {}), **kwargs})
-    _warn_graph_breaks()
+    _warn_graph_breaks(gm)
     check_inputs(gm, example_inputs)
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params)

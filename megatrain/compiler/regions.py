@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-_ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\]|L__self__|self)\.?")
-_MODULES = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+# The frame-local root: L['self'], L['model'], L['args'][0] (decorated forwards), L__self__.
+_ROOT = re.compile(r"^(L\[['\"][^'\"]+['\"]\](\[\d+\])*|L__self__|self)\.?")
+_MODULES = re.compile(r"(?:^|\.)_modules\[['\"]([^'\"]+)['\"]\]")
 _INDEX = re.compile(r"\[(\d+)\]")
 _GETATTR = re.compile(r"getattr\(([^,]+),\s*['\"](\w+)['\"]\)")
 
@@ -27,9 +28,9 @@ def module_path(raw: str) -> str:
     s = raw
     while _GETATTR.search(s):
         s = _GETATTR.sub(r"\1.\2", s)
+    s = _ROOT.sub("", s)
     s = _MODULES.sub(r".\1", s)
     s = _INDEX.sub(r".\1", s)
-    s = _ROOT.sub("", s)
     return s.strip(".")
 
 

@@ -48,11 +48,17 @@ def _is_random(node: fx.Node) -> bool:
 class JointAnalysis:
     backward: set[fx.Node]
     data_dependent: set[fx.Node]  # depends on a non-parameter input (an activation)
+    weight_dependent: set[fx.Node]  # depends on a fetched weight
+
+    def weight_derived(self, node: fx.Node) -> bool:
+        """Computed from weights alone (a fetch, w.t(), w.to(bf16), ...): never to be saved."""
+        return node in self.weight_dependent and node not in self.data_dependent
 
 
 def analyse(graph: fx.Graph) -> JointAnalysis:
     backward: set[fx.Node] = set()
     data: set[fx.Node] = set()
+    weights: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
             if _is_tangent(node):
@@ -65,7 +71,9 @@ def analyse(graph: fx.Graph) -> JointAnalysis:
             backward.add(node)
         if node.target is not ops.FETCH and any(i in data for i in inputs):
             data.add(node)
-    return JointAnalysis(backward, data)
+        if node.target is ops.FETCH or any(i in weights for i in inputs):
+            weights.add(node)
+    return JointAnalysis(backward, data, weights)
 
 
 def tag_for_region_checkpointing(graph: fx.Graph) -> JointAnalysis:
@@ -108,14 +116,14 @@ def saved_activations(fw: fx.GraphModule, num_fwd_outputs: int) -> SavedActivati
 
 
 def check_saved(fw: fx.GraphModule, num_fwd_outputs: int, info: JointAnalysis) -> None:
-    names = {n.name for n in info.data_dependent}
+    derived = {n.name for n in info.weight_dependent if info.weight_derived(n)}
     out = fw.graph.find_nodes(op="output")[0]
     for node in out.args[0][num_fwd_outputs:]:
         if not isinstance(node, fx.Node) or node.op == "placeholder":
             continue
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        if node.target is ops.FETCH or node.name not in names:
+        if node.target is ops.FETCH or node.name in derived:
             raise AssertionError(
                 f"megatrain partition saved weight-derived tensor {node.name} ({node.target}); "
                 f"weights must be re-fetched in backward, never kept")

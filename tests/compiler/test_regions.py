@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatrain.compiler.regions import module_path
-
 
 
 @pytest.mark.parametrize("raw, path", [

@@ -10,6 +10,8 @@ weight shows orders of magnitude above these bounds).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -152,3 +154,23 @@ def test_kernels_option_swaps_in_the_triton_kernels():
     code = r["plan"].code
     for op in ("megatrain.rms_norm", "megatrain.rope", "megatrain.swiglu", "megatrain.fused_linear_cross_entropy"):
         assert op in code, op
+
+
+def test_varying_sequence_length_recompiles_once():
+    """Torch's automatic dynamic shapes: the second length recompiles with a symbolic
+    sequence, every later length reuses that graph (and its transfer schedule)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = llama(tied=False, layers=2)
+    ref = copy.deepcopy(model)
+    step = torch.compile(model, backend="megatrain",
+                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    for t in (16, 24, 32, 40):
+        ids = torch.randint(0, 160, (2, t))
+        loss = step(ids, labels=ids)
+        loss.backward()
+        loss_ref = ref(ids, labels=ids)
+        loss_ref.backward()
+        assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < 1e-5
+    assert counters["stats"]["unique_graphs"] == 2

@@ -105,18 +105,35 @@ def _replace_device_constants(gm: fx.GraphModule, device: torch.device) -> None:
             node.kwargs = {**node.kwargs, "device": device}
 
 
-def _mutated(node: fx.Node) -> bool:
-    """Whether some user mutates `node` in place (method `x.add_()`, `x[i] = v`, `x.copy_()`)."""
-    for user in node.users:
-        if user.op == "call_method" and user.target.endswith("_") and not user.target.endswith("__") \
-                and user.args and user.args[0] is node:
+def _mutated_by(user: fx.Node, node: fx.Node) -> bool:
+    """Whether `user` writes `node` in place (method `x.add_()`, `x[i] = v`, `x.copy_()`)."""
+    if not user.args or user.args[0] is not node:
+        return False
+    if user.op == "call_method":
+        return user.target.endswith("_") and not user.target.endswith("__")
+    if user.op == "call_function":
+        if user.target is operator.setitem:
             return True
-        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is node:
-            return True
-        if user.op == "call_function" and getattr(user.target, "__name__", "").endswith("_") \
-                and not getattr(user.target, "__name__", "").endswith("__") and user.args and user.args[0] is node:
-            return True
+        name = getattr(user.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__")
     return False
+
+
+def _mutated(node: fx.Node) -> bool:
+    return any(_mutated_by(user, node) for user in node.users)
+
+
+def _refuse_parameter_mutation(node: fx.Node, fqn: str) -> None:
+    """A parameter written inside forward would only change the streamed device copy: the
+    write would be lost silently. Refuse it, naming the op and the module."""
+    for user in node.users:
+        if _mutated_by(user, node):
+            op = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", user.target)
+            raise UnsupportedError(
+                f"in-place {op!r} on parameter {fqn!r} inside forward (module {_module_of(user)}): "
+                f"megatrain streams a copy of each weight, so the write would be lost; update "
+                f"parameters outside the compiled forward (e.g. in the optimizer step or under "
+                f"torch.no_grad() before calling the model)")
 
 
 def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id: int) -> Capture:
@@ -133,6 +150,7 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
 
     for node, x in zip(placeholders, example_inputs):
         if isinstance(x, torch.nn.Parameter):
+            _refuse_parameter_mutation(node, parameter_fqn(node))
             pid = len(params)
             params.append(x)
             fqns.append(parameter_fqn(node))

@@ -86,3 +86,22 @@ def test_cuda_device_without_cuda_is_refused():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="sees no CUDA GPU"):
         parse_options({"device": "cuda"})
+
+
+def test_parameter_written_inside_forward_is_refused_naming_op_and_module():
+    class Drifting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.lin.weight.mul_(0.5)  # would only change the streamed copy
+            return self.lin(x).sum()
+
+    model = Drifting()
+    before = model.lin.weight.detach().clone()
+    step = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    with pytest.raises(NotImplementedError, match=r"in-place 'mul_' on parameter 'lin.weight'"):
+        step(torch.randn(2, 8))
+    assert torch.equal(model.lin.weight.detach(), before)

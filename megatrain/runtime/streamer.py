@@ -198,16 +198,7 @@ class Streamer:
         if grad.device.type == "cpu":
             entry = (grad.to(torch.float32, copy=True), None, None)
         else:
-            nbytes = grad.numel() * grad.element_size()
-            self.stats.d2h_bytes += nbytes
-            staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(self.device))
-            done = torch.cuda.Event()
-            with torch.cuda.stream(self.d2h_stream):
-                self.d2h_stream.wait_event(produced)
-                staged.copy_(grad, non_blocking=True)
-                done.record(self.d2h_stream)
+            staged, done = self._copy_out(grad)
             entry = (staged, done, grad)  # holding `grad` keeps its memory until the copy ends
         self._contrib[param_id].append(entry)
         if len(self._contrib[param_id]) == self._expect_param[param_id]:
@@ -273,9 +264,16 @@ class Streamer:
         self._retire_done()
         nbytes = grad.numel() * grad.element_size()
         self.pool.acquire(nbytes, f"gradient of parameter {param_id}")
-        self.stats.d2h_bytes += nbytes
-        staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        staged, done = self._copy_out(grad)
         out = staged if grad.dtype == param.dtype else torch.empty(grad.shape, dtype=param.dtype)
+        self._pending.append(_PendingGrad(grad, staged, out, nbytes, done))
+        return out
+
+    def _copy_out(self, grad: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        """Device-to-host copy into pinned memory on the D2H stream, after the compute
+        stream has produced `grad`; the event marks when the host copy is complete."""
+        self.stats.d2h_bytes += grad.numel() * grad.element_size()
+        staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
@@ -283,8 +281,7 @@ class Streamer:
             self.d2h_stream.wait_event(produced)
             staged.copy_(grad, non_blocking=True)
             done.record(self.d2h_stream)
-        self._pending.append(_PendingGrad(grad, staged, out, nbytes, done))
-        return out
+        return staged, done
 
     def _retire_done(self) -> None:
         for p in self._pending:

@@ -193,13 +193,18 @@ class Streamer:
         if not hasattr(self, "_handoff"):
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
         self._handoffs: list[concurrent.futures.Future] = []
+        self._in_flight: list[list] = []
 
     def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
         if grad.device.type == "cpu":
-            entry = (grad.to(torch.float32, copy=True), None, None)
+            entry = [grad.to(torch.float32, copy=True), None, None]
         else:
             staged, done = self._copy_out(grad)
-            entry = (staged, done, grad)  # holding `grad` keeps its memory until the copy ends
+            # Holding `grad` keeps its device memory until the copy ends (no record_stream);
+            # `_release_copied` lets go as soon as the event says so.
+            self._release_copied()
+            entry = [staged, done, grad]
+            self._in_flight.append(entry)
         self._contrib[param_id].append(entry)
         if len(self._contrib[param_id]) == self._expect_param[param_id]:
             self._ready[region].append(param_id)
@@ -211,6 +216,16 @@ class Streamer:
                 return
             parts = [self._contrib.pop(i) for i in pids]
             self._handoffs.append(self._handoff.submit(self._hand_over, pids, parts))
+
+    def _release_copied(self) -> None:
+        """Drop device gradients whose device-to-host copy has completed."""
+        keep = []
+        for entry in self._in_flight:
+            if entry[1].query():
+                entry[2] = None
+            else:
+                keep.append(entry)
+        self._in_flight = keep
 
     def _hand_over(self, pids: list[int], parts: list[list]) -> None:
         """On the hand-off thread: wait for the copies, sum tied contributions, submit."""
@@ -241,6 +256,7 @@ class Streamer:
     def wait_handoffs(self) -> None:
         for f in getattr(self, "_handoffs", []):
             f.result()
+        self._in_flight = []
         if hasattr(self, "_handoffs"):
             self._handoffs.clear()
             leftover = [i for i, c in self._contrib.items() if c]

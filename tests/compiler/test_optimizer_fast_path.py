@@ -105,3 +105,23 @@ def test_gradients_land_in_p_grad_when_the_optimizer_is_gone():
     for p, q in zip(streamed.parameters(), ref.parameters()):
         assert p.grad is not None
     assert rel(flat(p.grad for p in streamed.parameters()), flat(q.grad for q in ref.parameters())) < 1e-4
+
+
+def test_non_finite_gradients_skip_the_whole_step_through_the_backend():
+    ref, opt_ref, streamed, opt, step = _pair(skip_nonfinite=True)
+    batches = random_batches(160, 2, batch=2, seq=16)
+    ids, labels = batches[0]
+    step(ids, labels=labels).backward()
+    opt.step()
+    opt.zero_grad()
+    params = [p.detach().clone() for p in streamed.parameters()]
+    moments = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    ids, labels = batches[1]
+    (step(ids, labels=labels) * float("nan")).backward()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient"):
+        opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(a, p.detach()) for a, p in zip(params, streamed.parameters()))
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(moments[k], after[k]) for k in moments)
+    assert opt.skipped_steps == 1

@@ -175,3 +175,34 @@ def test_varying_sequence_length_recompiles_once():
         loss_ref.backward()
         assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < 1e-5
     assert counters["stats"]["unique_graphs"] - graphs_before == 2
+
+
+def test_dropout_backward_uses_the_forward_mask():
+    """Compiled RNG cannot replay eager's generator, so masks differ from eager's by
+    construction; what must hold is that backward uses the very mask forward drew (the
+    partition saves random ops' outputs). h = dropout(x @ W0^T, 0.5), y = h @ W1^T,
+    loss = sum(y * g): dL/dW0 = ((g @ W1) * mask * 2)^T x, with the mask seen as h != 0."""
+
+    class Dropping(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32, bias=False) for _ in range(2))
+
+        def forward(self, x, g):
+            h = torch.nn.functional.dropout(self.layers[0](x), p=0.5, training=True)
+            y = self.layers[1](h)
+            return (y * g).sum(), h
+
+    torch.manual_seed(torch.seed() % 2**31)
+    model = Dropping()
+    step = torch.compile(model, backend="megatrain",
+                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    x, g = torch.randn(16, 32), torch.randn(16, 32)
+    loss, h = step(x, g)
+    loss.backward()
+    mask = (h != 0).float()
+    assert 0.2 < mask.mean().item() < 0.8, "dropout dropped"
+    w1 = model.layers[1].weight.detach()
+    dh = (g @ w1) * mask * 2.0  # through layers[1], then dropout's mask and 1/(1-p)
+    expected = dh.t() @ x
+    torch.testing.assert_close(model.layers[0].weight.grad, expected, rtol=1e-5, atol=1e-5)

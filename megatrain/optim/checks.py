@@ -102,8 +102,12 @@ def check_param(p: Tensor, name: str) -> None:
         )
 
 
+# fp32, or the runtime's 16-bit gradients, upcast exactly by functional.adamw_.
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_grad(g: object, p: Tensor, name: str) -> None:
-    """A gradient for parameter ``p``: a dense fp32 CPU tensor of p's shape."""
+    """A gradient for parameter ``p``: a dense CPU tensor of p's shape, fp32 or 16-bit."""
     if not isinstance(g, Tensor):
         raise TypeError(f"gradient for {name} must be a Tensor, got {type(g).__name__}")
     if g.layout != torch.strided:
@@ -111,9 +115,10 @@ def check_grad(g: object, p: Tensor, name: str) -> None:
             f"gradient for {name} is sparse ({g.layout}); megatrain.AdamW needs dense "
             "gradients: use nn.Embedding(sparse=False) or convert with grad.to_dense()"
         )
-    if g.dtype != torch.float32:
+    if g.dtype not in GRAD_DTYPES:
         raise TypeError(
-            f"gradient for {name} is {g.dtype}; pass fp32 gradients (grad.float())"
+            f"gradient for {name} is {g.dtype}; pass fp32 (or bf16/fp16, upcast exactly "
+            "inside the update) gradients: grad.float()"
         )
     if g.device.type != "cpu":
         raise ValueError(
@@ -156,7 +161,7 @@ def grad_ok(g: object, p: Tensor) -> bool:
     """The fast form of :func:`check_grad` (no message built), for the hot path."""
     return (
         isinstance(g, Tensor)
-        and g.dtype == torch.float32
+        and g.dtype in GRAD_DTYPES
         and g.is_cpu
         and g.layout == torch.strided
         and g.shape == p.shape

@@ -13,8 +13,18 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import Tensor
+
+
+# Elements of low-precision gradient upcast per fused call: 16 MiB of fp32 scratch, reused,
+# so the upcast values are still in cache when the update reads them. A multiple of 64:
+# the CPU kernel vectorises in cache-line units and finishes a tensor's odd tail with
+# scalar code, so pieces cut at 64-element boundaries round exactly like the whole tensor.
+UPCAST_CHUNK = 1 << 22
+_scratch = threading.local()
 
 
 def adamw_(
@@ -23,33 +33,76 @@ def adamw_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    eps: float,
+    **hyper: float,
 ) -> None:
-    """One AdamW step in place. Every grad must share its param's strides: the CPU fused
-    kernel walks raw memory and would silently mix elements otherwise."""
+    """One AdamW step in place (hyper: lr, beta1, beta2, weight_decay, eps). Every grad
+    must share its param's strides: the CPU fused kernel walks raw memory and would
+    silently mix elements otherwise.
+
+    A gradient in a lower precision than its parameter (the runtime's bf16 gradients) is
+    upcast chunk by chunk into a reused fp32 scratch right before the fused kernel reads
+    it. Upcasting is exact, and AdamW is elementwise, so the result is bitwise that of
+    ``adamw_`` on ``grad.float()``; but the host never writes and re-reads a full fp32
+    gradient (4 + 4 bytes per parameter of memory traffic, and fresh pages to fault in)."""
     if not params:
         return
     torch._foreach_add_(steps, 1)
+    same = [i for i, (p, g) in enumerate(zip(params, grads)) if g.dtype == p.dtype]
+    if len(same) == len(params):
+        _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)
+        return
+    pick = lambda ts, idx: [ts[i] for i in idx]  # noqa: E731
+    if same:
+        _fused(*(pick(ts, same) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
+    low = sorted(set(range(len(params))) - set(same))
+    _adamw_upcast(*(pick(ts, low) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
+
+
+def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
     torch._fused_adamw_(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [],
-        steps,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        amsgrad=False,
-        maximize=False,
+        params, grads, exp_avgs, exp_avg_sqs, [], steps,
+        amsgrad=False, maximize=False, **hyper,
     )
+
+
+def _adamw_upcast(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
+    """Fused AdamW over batches of at most UPCAST_CHUNK elements whose gradients are first
+    copied (upcast) into the scratch. Steps were already incremented: each chunk of a
+    parameter passes that parameter's step tensor."""
+    chunk = UPCAST_CHUNK
+    scratch = getattr(_scratch, "buf", None)
+    if scratch is None or scratch.numel() < chunk or scratch.dtype != params[0].dtype:
+        scratch = _scratch.buf = torch.empty(chunk, dtype=params[0].dtype)
+    batch: tuple[list, ...] = ([], [], [], [], [])
+    used = 0
+
+    def flush() -> None:
+        nonlocal used
+        ps, lows, ms, vs, ss = batch
+        gs, off = [], 0
+        for g in lows:
+            gs.append(scratch[off:off + g.numel()].copy_(g))
+            off += g.numel()
+        _fused(ps, gs, ms, vs, ss, hyper)
+        for part in batch:
+            part.clear()
+        used = 0
+
+    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        if not all(t.is_contiguous() for t in (p, g, m, v)):
+            _fused([p], [g.to(p.dtype)], [m], [v], [s], hyper)
+            continue
+        flat = [t.view(-1) for t in (p, g, m, v)]
+        for start in range(0, p.numel(), chunk):
+            k = min(chunk, p.numel() - start)
+            if used + k > chunk:
+                flush()
+            for part, t in zip(batch, flat):
+                part.append(t[start:start + k])
+            batch[4].append(s)
+            used += k
+    if used:
+        flush()
 
 
 def same_layout(a: Tensor, b: Tensor) -> bool:

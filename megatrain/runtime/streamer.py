@@ -4,8 +4,14 @@ One `Streamer` serves one compiled graph pair (forward, backward). It owns:
 - a host-to-device stream and a device-to-host stream beside the compute stream, ordered
   with events only (no `record_stream`: it fragments the caching allocator);
 - the device pool accounting that enforces `gpu_memory`;
-- pinned staging for bf16 weights (cast on the host, so PCIe carries 2 bytes per parameter)
-  and for gradients coming back.
+- the weight path: fp32 masters sit in pinned host memory (host_store), so a region is
+  DMA'd as fp32 into a small device staging chunk and cast to the compute dtype there, on
+  the copy stream. PCIe then carries 4 bytes per parameter instead of 2, but the host does
+  no work at all: a host-side cast would read 4 and write 2 bytes per parameter per fetch
+  on the host memory bus the optimizer is bound by (bench/results/NOTES.md). Unpinned or
+  over-budget cases fall back to a host cast thread into pinned staging;
+- pinned staging for gradients coming back, in the compute dtype (the optimizer upcasts
+  them chunk by chunk, see megatrain.optim.functional.adamw_).
 
 Device buffers are allocated on the compute stream at prefetch time, filled on the copy
 stream after an event, and handed to the graph at `wait`, after which the graph owns them:
@@ -18,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +32,10 @@ import torch
 from .layout import FlatLayout, contiguous_spans
 from ..optim.registry import owner_of
 from .pool import DevicePool
+
+# fp32 elements per device staging chunk of the weight path (64 MiB): large enough that the
+# cast kernel after each chunk's copy costs ~1% of the copy, small beside a layer.
+CAST_CHUNK = 16 << 20
 
 _REGISTRY: list["Streamer"] = []
 _LOCK = threading.Lock()
@@ -66,6 +77,16 @@ class StepStats:
     cuda_peak: int | None = None
     cuda_base: int = 0
     regions_fetched: list = field(default_factory=list)
+    optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
+    waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
+
+    def transfer_stall_s(self) -> float:
+        """Seconds the compute stream sat waiting for weights this step (CUDA events
+        recorded around each wait; blocks until the last of them has completed)."""
+        if not self.waits:
+            return 0.0
+        self.waits[-1][2].synchronize()
+        return sum(before.elapsed_time(after) for _, before, after in self.waits) / 1e3
 
 
 class Streamer:
@@ -81,6 +102,18 @@ class Streamer:
         self._layouts: dict[tuple, FlatLayout] = {}
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
+        # The gradient fast path (expect_gradients / grad_to_optimizer): per-backward
+        # counters, and one hand-off thread that waits for copies and feeds the optimizer.
+        self._expect_param: dict[int, int] = {}
+        self._expect_region: dict[int, int] = {}
+        self._contrib: dict[int, list] = collections.defaultdict(list)
+        self._region_seen: dict[int, int] = collections.defaultdict(int)
+        self._ready: dict[int, list[int]] = collections.defaultdict(list)
+        self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
+        self._handoffs: list[concurrent.futures.Future] = []
+        self._in_flight: list[list] = []
+        self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
+        self._cast_chunk_refused = False
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -118,9 +151,13 @@ class Streamer:
         return param.detach().to(self.device, self.compute_dtype, copy=True)
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         self.wait_updates(host_params)
+        self.stats.optimizer_wait_s += time.perf_counter() - t0
         lay = self.layout([p.shape for p in host_params])
         nbytes = lay.numel * self.compute_dtype.itemsize
+        if self._cast_chunk is not None and self.pool.live + nbytes > self.pool.budget:
+            self._drop_cast_chunk()  # the plan's buffers come first; staging is a bonus
         self.pool.acquire(nbytes, f"prefetch of region {region}")
         flat = torch.empty(lay.numel, dtype=self.compute_dtype, device=self.device)
         spans = contiguous_spans([p.detach() for p in host_params], lay)
@@ -133,8 +170,11 @@ class Streamer:
         else:
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
-            if all(src.dtype == self.compute_dtype and src.is_pinned() for _, _, src in spans):
+            pinned = all(src.is_pinned() for _, _, src in spans)
+            if pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
                 entry.done = self._copy_in(flat, spans, allocated)
+            elif pinned and self._device_cast_chunk(lay.numel) is not None:
+                entry.done = self._copy_in_and_cast(flat, spans, allocated)
             else:
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated)
         self._inflight[region].append(entry)
@@ -145,6 +185,47 @@ class Streamer:
             self.h2d_stream.wait_event(allocated)
             for off, n, src in spans:
                 flat[off:off + n].copy_(src, non_blocking=True)
+            done.record(self.h2d_stream)
+        return done
+
+    def _device_cast_chunk(self, region_numel: int) -> torch.Tensor | None:
+        """The device fp32 staging chunk, grown to min(CAST_CHUNK, largest region) and
+        counted in the pool once; None (host-cast fallback) when the budget has no room."""
+        want = min(CAST_CHUNK, region_numel)
+        have = self._cast_chunk.numel() if self._cast_chunk is not None else 0
+        if want > have and not self._cast_chunk_refused:
+            extra = (want - have) * 4
+            if self.pool.live + extra > self.pool.budget:
+                self._cast_chunk_refused = True  # keep the smaller chunk, or the fallback
+            else:
+                # The old chunk may still be read by queued copies: let them finish before
+                # its memory goes back to the allocator (happens once per larger region).
+                self.h2d_stream.synchronize()
+                self.pool.acquire(extra, "device cast staging")
+                self._cast_chunk = None
+                self._cast_chunk = torch.empty(want, dtype=torch.float32, device=self.device)
+        return self._cast_chunk
+
+    def _drop_cast_chunk(self) -> None:
+        """Give the staging chunk's bytes back (after queued copies are done with it) and
+        use the host-cast path from now on: the planner did not count the chunk."""
+        self.h2d_stream.synchronize()
+        self.pool.release(self._cast_chunk.numel() * 4)
+        self._cast_chunk, self._cast_chunk_refused = None, True
+
+    def _copy_in_and_cast(self, flat, spans, allocated):
+        """fp32 pinned host -> device fp32 chunk -> compute dtype, all on the copy stream
+        (the chunk is reused in stream order, so one chunk serves every region)."""
+        chunk = self._cast_chunk
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)
+            for off, n, src in spans:
+                src = src.reshape(-1)
+                for start in range(0, n, chunk.numel()):
+                    k = min(chunk.numel(), n - start)
+                    chunk[:k].copy_(src[start:start + k], non_blocking=True)
+                    flat[off + start:off + start + k].copy_(chunk[:k])
             done.record(self.h2d_stream)
         return done
 
@@ -175,7 +256,12 @@ class Streamer:
         assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
         if self.cuda:
             done = entry.done.result() if isinstance(entry.done, concurrent.futures.Future) else entry.done
-            torch.cuda.current_stream(self.device).wait_event(done)
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(done)
+            after.record(stream)
+            self.stats.waits.append((region, before, after))
         return entry.flat
 
     def evict(self, region: int, flat: torch.Tensor) -> None:
@@ -187,17 +273,12 @@ class Streamer:
         (a tied weight sends one per region that fetched it)."""
         self._expect_param = dict(per_param)
         self._expect_region = dict(per_region)
-        self._contrib: dict[int, list] = collections.defaultdict(list)
-        self._region_seen: dict[int, int] = collections.defaultdict(int)
-        self._ready: dict[int, list[int]] = collections.defaultdict(list)
-        if not hasattr(self, "_handoff"):
+        if self._handoff is None:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
-        self._handoffs: list[concurrent.futures.Future] = []
-        self._in_flight: list[list] = []
 
     def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
         if grad.device.type == "cpu":
-            entry = [grad.to(torch.float32, copy=True), None, None]
+            entry = [grad.detach().clone(), None, None]
         else:
             staged, done = self._copy_out(grad)
             # Holding `grad` keeps its device memory until the copy ends (no record_stream);
@@ -228,15 +309,19 @@ class Streamer:
         self._in_flight = keep
 
     def _hand_over(self, pids: list[int], parts: list[list]) -> None:
-        """On the hand-off thread: wait for the copies, sum tied contributions, submit."""
+        """On the hand-off thread: wait for the copies, sum tied contributions (in fp32),
+        submit. A single contribution goes in its compute dtype: the optimizer upcasts it
+        in cache-sized chunks, which a p.grad fallback does at once."""
         grads = []
         for contributions in parts:
             total = None
             for staged, done, _ in contributions:
                 if done is not None:
                     done.synchronize()
-                g = staged.float() if staged.dtype != torch.float32 else staged
-                total = g if total is None else total + g
+                if len(contributions) == 1:
+                    total = staged
+                else:
+                    total = staged.float() if total is None else total.add_(staged)
             grads.append(total)
         params = [self.params[i] for i in pids]
         owners = {}
@@ -245,6 +330,7 @@ class Streamer:
             if opt is None:
                 # The optimizer this graph was compiled for is gone: keep the gradient
                 # where any torch optimizer finds it, like autograd would.
+                g = g.to(p.dtype)
                 p.grad = g if p.grad is None else p.grad.add_(g)
                 continue
             owners.setdefault(id(opt), (opt, [], []))
@@ -254,13 +340,12 @@ class Streamer:
             opt.submit(ps, gs).result()
 
     def wait_handoffs(self) -> None:
-        for f in getattr(self, "_handoffs", []):
+        for f in self._handoffs:
             f.result()
         self._in_flight = []
-        if hasattr(self, "_handoffs"):
-            self._handoffs.clear()
-            leftover = [i for i, c in self._contrib.items() if c]
-            assert not leftover, f"gradients of parameters {leftover} never completed"
+        self._handoffs.clear()
+        leftover = [i for i, c in self._contrib.items() if c]
+        assert not leftover, f"gradients of parameters {leftover} never completed"
 
     def wait_updates(self, host_params: list[torch.Tensor]) -> None:
         """A region is never fetched before its pending update (from the last step) is done."""

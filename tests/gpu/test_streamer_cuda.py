@@ -1,0 +1,46 @@
+"""The Streamer's weight path on CUDA: fp32 pinned masters arrive as exact bf16 copies,
+whether cast on the device (staging chunk) or on the host (fallback when the budget has
+no room for the chunk), including regions larger than one chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatrain.runtime import streamer as streamer_mod
+from megatrain.runtime.host_store import home_parameters
+from megatrain.runtime.layout import FlatLayout
+
+pytestmark = pytest.mark.gpu
+
+
+def _region(shapes):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    home_parameters(params, pin=True)
+    return params
+
+
+@pytest.mark.parametrize("chunk", [1000, 16 << 20])
+@pytest.mark.parametrize("budget", [1 << 30, None])
+def test_fetched_weights_equal_a_bf16_cast(monkeypatch, chunk, budget):
+    monkeypatch.setattr(streamer_mod, "CAST_CHUNK", chunk)
+    shapes = [(37, 129), (4099,), (3, 5, 7)]
+    params = _region(shapes)
+    numel = FlatLayout.of(shapes).numel
+    # None: room for the region's bf16 buffer only, so the device chunk is refused.
+    budget = budget or numel * 2
+    s = streamer_mod.Streamer(torch.device("cuda"), torch.bfloat16, budget, params)
+    for step in range(2):
+        s.begin_step()
+        s.prefetch(0, params)
+        flat = s.wait(0, numel)
+        views = FlatLayout.of(shapes).views(flat)
+        for p, v in zip(params, views):
+            assert torch.equal(v, p.detach().to("cuda", torch.bfloat16)), (step, p.shape)
+        s.evict(0, flat)
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p))  # the next fetch must see the update
+        torch.cuda.synchronize()
+    assert (s._cast_chunk is not None) == (budget > numel * 2)
+    assert s.stats.transfer_stall_s() >= 0.0

@@ -2,20 +2,29 @@
 
 Every system trains the same Llama shape on the same real tokens (the shipped corpus, byte
 ids) with the same batch; each runs in its own subprocess so memory, pinned pools and
-compile caches never leak between them. Reported per system: tokens/s (median step after
-warm-up), model TFLOP/s = (6 N + 12 L H S) T / step (N: matmul parameters, no embedding;
-recompute not counted), peak GPU bytes, host RSS, step seconds.
+compile caches never leak between them. A first `probe` child measures, in the same run,
+the bf16 matmul rate at the model's shapes (for MFU), pinned H2D bandwidth and the host's
+fused-AdamW memory bandwidth (for the bound). Reported per system: tokens/s (median step
+after warm-up), model TFLOP/s = (6 N + 12 L H S) T / step (N: matmul parameters, no
+embedding; recompute not counted), MFU, peak GPU memory, peak host RSS; for megatrain also
+PCIe GB/s, the compute stream's time stalled on weights and the host time blocked on
+optimizer updates (runtime CUDA events / timers), and the step bound
+max(compute = resident-compiled step, host memory = 34 B/param / AdamW bandwidth,
+PCIe = bytes / H2D rate) with the achieved fraction of it.
 
-    python bench/train.py --model 1b --tokens 16384 --seq 2048 \
-        --systems gpu_compile,gpu_eager,fsdp2,megatrain --out bench/results/train.jsonl
+    python bench/train.py --model 1.3b --tokens 16384 --seq 2048 \
+        --systems resident-compiled,resident,fsdp2-offload,megatrain --gpu-memory 12GiB
     python bench/train.py --smoke        # CPU: tiny model, eager vs megatrain, checks the script
 
 Systems:
-  gpu_compile / gpu_eager  model, fp32 master and AdamW on the GPU, bf16 autocast, per-layer
-                           checkpointing (torch.utils.checkpoint), torch.compile or not
-  fsdp2                    fully_shard(CPUOffloadPolicy(pin_memory=True)) at world size 1
+  resident-compiled / resident  model, fp32 master and AdamW on the GPU, bf16 autocast,
+                           per-layer checkpointing, torch.compile or not
+  fsdp2-offload            fully_shard(CPUOffloadPolicy(pin_memory=True)) at world size 1
+  zero3-offload            DeepSpeed ZeRO-3 param+optimizer offload, when deepspeed imports
   megatrain                torch.compile(backend="megatrain") + megatrain.AdamW, bf16
-A system that cannot run (out of memory, missing package) is recorded with its error.
+A system that cannot run (out of memory, missing package) is recorded with its error; a
+system whose host state cannot fit in host RAM is refused up front with the numbers.
+Rows are appended to --out (default bench/results/train.jsonl) as each system finishes.
 """
 
 from __future__ import annotations
@@ -30,6 +39,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+MODELS = {"1.3b": "1b", "3b": "3b", "8b": "8b", "tiny": "tiny"}  # bench name -> preset
+SYSTEMS = ("resident-compiled", "resident", "fsdp2-offload", "zero3-offload", "megatrain", "eager")
+HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf16 w and g
+FSDP_HOST_BYTES_PER_PARAM = 16  # fp32 param + grad + m + v, all in host RAM
 
 
 def _tokens(n: int, vocab: int):
@@ -48,7 +63,7 @@ def _model(name: str):
     from megatrain.models import PRESETS, Llama
 
     torch.manual_seed(0)
-    return Llama(PRESETS[name])
+    return Llama(PRESETS[MODELS[name]])
 
 
 def _checkpoint_layers(model) -> None:
@@ -59,11 +74,73 @@ def _checkpoint_layers(model) -> None:
         layer.forward = lambda *a, _f=forward: ckpt.checkpoint(_f, *a, use_reentrant=False)
 
 
-def _rss() -> int:
+def _status(key: str) -> int:
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _median_s(fn, repeats: int = 5) -> float:
+    import torch
+
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def run_probe(args) -> dict:
+    """Rates of this machine, measured in this run: bf16 matmul at the model's MLP shape,
+    pinned host-to-device copy, and host memory bandwidth as torch's fused AdamW uses it."""
+    import torch
+
+    from megatrain.models import PRESETS
+
+    cfg = PRESETS[MODELS[args.model]]
+    rows = min(args.tokens, 16384)
+    a = torch.randn(rows, cfg.hidden, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(cfg.hidden, cfg.ffn, device="cuda", dtype=torch.bfloat16)
+    a @ b
+    mm = _median_s(lambda: a @ b, 10)
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    h2d = _median_s(lambda: dst.copy_(src, non_blocking=True))
+    n = 1 << 27
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    opt = torch.optim.AdamW([torch.nn.Parameter(p)], fused=True)
+    opt.param_groups[0]["params"][0].grad = g
+    opt.step()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return {"system": "probe", "matmul_tflops": 2 * rows * cfg.hidden * cfg.ffn / mm / 1e12,
+            "h2d_gbs": (1 << 30) / h2d / 1e9, "adamw_gbs": 28 * n / statistics.median(times) / 1e9,
+            "threads": torch.get_num_threads()}
+
+
+def _megatrain_stats(step_fn) -> dict:
+    import megatrain
+
+    stats = [g.streamer.last_stats for g in megatrain.explain(step_fn).graphs
+             if g.streamer is not None and g.streamer.last_stats is not None]
+    return {"h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
+            "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
+            "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats)}
 
 
 def run_system(args) -> dict:
@@ -74,18 +151,23 @@ def run_system(args) -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     model = _model(args.model)
+    n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
     flops_per_token = model_flops_per_token(model, args.seq)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
-    if args.system in ("gpu_compile", "gpu_eager", "eager"):
+    if args.system in ("resident-compiled", "resident", "eager"):
         model = model.to(device)
         _checkpoint_layers(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
-        step_fn = torch.compile(model) if args.system == "gpu_compile" else model
+        step_fn = torch.compile(model) if args.system == "resident-compiled" else model
         to_device = True
-    elif args.system == "fsdp2":
+    elif args.system == "fsdp2-offload":
+        need, have = FSDP_HOST_BYTES_PER_PARAM * n_params, _mem_available()
+        if need > have:
+            raise SystemExit(f"FSDP2 CPU offload keeps fp32 params, grads and both moments in host "
+                             f"RAM: {need / 2**30:.1f} GiB needed, {have / 2**30:.1f} GiB available")
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -98,6 +180,12 @@ def run_system(args) -> dict:
         fully_shard(model, offload_policy=policy)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step_fn, to_device = model, True
+    elif args.system == "zero3-offload":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"deepspeed is not importable here ({e}); carry its wheel to run it")
+        raise SystemExit("zero3-offload: deepspeed imports, but this bench has no ZeRO-3 driver yet")
     elif args.system == "megatrain":
         import megatrain
 
@@ -112,8 +200,7 @@ def run_system(args) -> dict:
 
     times = []
     for i in range(args.steps):
-        x = data[i]
-        y = data[i + 1]
+        x, y = data[i], data[i + 1]
         if to_device:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if cuda:
@@ -129,23 +216,55 @@ def run_system(args) -> dict:
         times.append(time.perf_counter() - t0)
         print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f}", file=sys.stderr)
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
-    return {
-        "system": args.system, "model": args.model, "tokens_per_step": args.tokens, "seq": args.seq,
-        "step_s": step, "tokens_per_s": args.tokens / step,
-        "model_tflops": flops_per_token * args.tokens / step / 1e12,
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-        "host_rss_bytes": _rss(), "steps": times,
+    row = {
+        "system": args.system, "model": args.model, "params": n_params,
+        "tokens_per_step": args.tokens, "seq": args.seq, "step_s": step,
+        "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
+        "final_loss": float(loss),
     }
+    if args.system == "megatrain":
+        row.update(_megatrain_stats(step_fn))
+        row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9
+    return row
+
+
+def _bound(row: dict, probe: dict, compiled_step: float | None) -> dict:
+    """The step-time bound of issue 6: max(compute, host memory traffic, PCIe)."""
+    host_s = HOST_BYTES_PER_PARAM * row["params"] / (probe["adamw_gbs"] * 1e9)
+    pcie_s = max(row.get("h2d_bytes", 0), row.get("d2h_bytes", 0)) / (probe["h2d_gbs"] * 1e9)
+    terms = {"bound_compute_s": compiled_step, "bound_host_s": host_s, "bound_pcie_s": pcie_s}
+    bound = max(v for v in terms.values() if v is not None)
+    return {**terms, "bound_s": bound, "fraction_of_bound": bound / row["step_s"]}
+
+
+def _child(args, argv, system: str) -> dict:
+    cmd = [sys.executable, __file__, "--system", system] + [a for a in argv if a != "--smoke"]
+    if args.smoke:
+        cmd += ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--tokens", "512",
+                "--seq", "64", "--steps", "4", "--warmup", "1"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    except subprocess.TimeoutExpired:
+        return {"system": system, "error": f"timed out after {args.timeout} s"}
+    if r.returncode == 0:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    print(r.stderr[-3000:], file=sys.stderr)
+    lines = r.stderr.strip().splitlines()
+    return {"system": system, "error": lines[-1] if lines else f"exit {r.returncode}"}
 
 
 def main(argv=None) -> int:
+    argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="1b")
+    p.add_argument("--model", default="1.3b", choices=sorted(MODELS))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--systems", default="gpu_compile,gpu_eager,fsdp2,megatrain")
+    p.add_argument("--systems", default="resident-compiled,resident,fsdp2-offload,megatrain")
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
@@ -158,35 +277,42 @@ def main(argv=None) -> int:
         args.model, args.device, args.precision, args.tokens, args.seq = "tiny", "cpu", "fp32", 512, 64
         args.systems, args.steps, args.warmup = "eager,megatrain", 4, 1
     if args.system:
-        print(json.dumps(run_system(args)))
+        print(json.dumps(run_probe(args) if args.system == "probe" else run_system(args)))
         return 0
+    from _results import append_rows, run_metadata
+
+    meta = run_metadata()
+    probe = None if args.smoke else _child(args, argv, "probe")
     rows = []
     for system in args.systems.split(","):
-        cmd = [sys.executable, __file__, "--system", system] + [
-            a for a in (argv if argv is not None else sys.argv[1:]) if a != "--smoke"]
-        if args.smoke:
-            cmd += ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--tokens", "512",
-                    "--seq", "64", "--steps", "4", "--warmup", "1"]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
-            row = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else \
-                {"system": system, "error": r.stderr.strip().splitlines()[-1:] or [f"exit {r.returncode}"]}
-        except subprocess.TimeoutExpired:
-            row = {"system": system, "error": f"timed out after {args.timeout} s"}
-        row.update(model=args.model, tokens_per_step=args.tokens, seq=args.seq, time=time.strftime("%FT%T%z"))
+        if system not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        row = _child(args, argv, system)
+        row.update(model=args.model, tokens_per_step=args.tokens, seq=args.seq, **meta)
+        if probe and "error" not in probe and "error" not in row:
+            row["mfu"] = row["tflops"] / probe["matmul_tflops"]
+            row["probe"] = probe
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "steps"}), file=sys.stderr)
-    with open(args.out, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"{'system':12s} {'tok/s':>9s} {'TFLOP/s':>8s} {'step s':>7s} {'peak GPU GiB':>12s}")
+        print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe")}), file=sys.stderr)
+        append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
+    compiled = next((r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r), None)
+    print(f"probe: {probe}")
+    print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "
+          f"{'RSS GiB':>7s} {'vs comp':>7s} {'stall s':>7s} {'optw s':>6s} {'PCIe':>5s} {'bound':>5s}")
     for r in rows:
         if "error" in r:
-            print(f"{r['system']:12s} error: {r['error']}")
+            print(f"{r['system']:18s} error: {r['error']}")
             continue
-        gpu = f"{r['peak_gpu_bytes'] / 2**30:.1f}" if r.get("peak_gpu_bytes") else "-"
-        print(f"{r['system']:12s} {r['tokens_per_s']:9.0f} {r['model_tflops']:8.1f} {r['step_s']:7.3f} {gpu:>12s}")
+        b = _bound(r, probe, compiled) if probe and "error" not in probe else {}
+        f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
+        print(f"{r['system']:18s} {r['tokens_per_s']:8.0f} {r['tflops']:7.1f} {f('mfu', '5.2f')} "
+              f"{r['step_s']:6.3f} {f('peak_gpu_gib', '7.1f')} {r['host_rss_gib']:7.1f} "
+              f"{(compiled / r['step_s']) if compiled else float('nan'):7.2f} {f('transfer_stall_s', '7.3f')} "
+              f"{f('optimizer_wait_s', '6.3f')} {f('pcie_gbs', '5.1f')} "
+              f"{b.get('fraction_of_bound', float('nan')):5.2f}")
+        if b:
+            print(f"{'':18s} bound terms: " + ", ".join(f"{k[6:]}={v:.3f}" for k, v in b.items()
+                                                         if k.startswith("bound_") and v is not None))
     return 0
 
 

@@ -1,0 +1,58 @@
+"""Shared tail of the bench scripts: run metadata and appending result rows to a jsonl file.
+
+Every row a benchmark records carries where and on what it ran (DESIGN.md section 5:
+GPU, commit, versions), so rows from different machines and commits can share one file.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def run_metadata() -> dict:
+    """commit (and whether the tree was dirty), GPU name ("cpu" without CUDA), torch,
+    triton and python versions, and the local time, for one benchmark run."""
+    try:
+        commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
+    except (OSError, subprocess.CalledProcessError):
+        # The device machine gets a copy of the tree without .git: the caller names the commit.
+        commit, dirty = os.environ.get("MEGATRAIN_COMMIT", "unknown"), None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "triton": _version("triton"),
+        "python": platform.python_version(),
+        "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def append_rows(path: str | Path, rows: list[dict]) -> Path:
+    """Append one JSON line per row to `path` (parents created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"appended {len(rows)} rows to {out}")
+    return out

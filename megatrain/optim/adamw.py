@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from megatrain.optim import checks, functional, registry
 from megatrain.optim.engine import HostWorker
+from megatrain.runtime.host_store import is_homed
 
 # The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
 # math, so a state_dict moves between torch.optim.AdamW and megatrain.AdamW both ways.
@@ -60,7 +61,15 @@ class AdamW(Optimizer):
     - Hyperparameters are read when a gradient is submitted: change ``lr`` before backward,
       as an LR scheduler stepped after ``opt.step()`` does.
     - ``wait_params(params)`` blocks until queued work on ``params`` is done (before the
-      runtime re-fetches their weights); ``step()`` and ``zero_grad()`` wait for everything.
+      runtime re-fetches their weights).
+    - With clipping or the non-finite check, updates can only start once ``step()`` knows
+      the global norm. For parameters the megatrain backend streams, ``step()`` then
+      queues the updates region by region in the order the next forward fetches them and
+      returns without waiting: the updates run while the next forward streams, each
+      region's fetch waiting only for its own update. ``synchronize()``, ``state_dict()``
+      and the next ``step()`` wait for all of them; read those parameters directly
+      (outside the compiled model) only after ``synchronize()``. Otherwise ``step()`` is
+      synchronous like torch's.
 
     Args:
         max_grad_norm: clip the global gradient 2-norm to this, inside ``step()``; the
@@ -104,6 +113,7 @@ class AdamW(Optimizer):
         self._final: dict[Tensor, bool] = {}  # final grad submitted this step -> applied?
         self._norms: dict[Tensor, tuple[Tensor, int, Tensor]] = {}  # grad, version, norm
         self._grad_buffers: dict[Tensor, Tensor] = {}
+        self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -124,6 +134,8 @@ class AdamW(Optimizer):
         immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
         for p in params if final else ():
             self._final[p] = immediate
+        if final and not immediate and all(map(is_homed, params)):
+            self._regions.append(params)  # streamed by the backend: its fetch waits
         if immediate:
             parts = self._split_by_group(params, grads)
             hypers = {gi: self._hyper(self.param_groups[gi]) for gi in parts}
@@ -185,17 +197,28 @@ class AdamW(Optimizer):
                 self._worker.submit(
                     self._update, ps, gs, self._hyper(self.param_groups[gi]), coef, touches=ps
                 )
-                for gi, (ps, gs) in work.items()
+                for gi, ps, gs in self._update_order(work)
             ]
-            for f in futures:
-                f.result()
+            if not self._regions:
+                for f in futures:
+                    f.result()
         finally:
             self._final.clear()
             self._norms.clear()
+            self._regions.clear()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def synchronize(self) -> None:
+        """Block until every queued update has been applied. ``step()`` returns before its
+        updates finish when the gradients came region by region from the runtime (see the
+        class docstring); read parameters directly only after this."""
         self._worker.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # Queued updates hold their own references to the gradients, so dropping p.grad
+        # need not wait for them; zeroing in place must.
+        if not set_to_none:
+            self._worker.wait_all()
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -302,6 +325,30 @@ class AdamW(Optimizer):
             if ps:
                 work[gi] = (ps, gs)
         return work
+
+    def _update_order(
+        self, work: dict[int, tuple[list[Tensor], list[Tensor]]]
+    ) -> list[tuple[int, list[Tensor], list[Tensor]]]:
+        """(group, params, grads) tasks. Gradients that came from the runtime are updated a
+        region at a time, last-submitted region first: that is the order in which the next
+        forward fetches them, so each fetch waits only for its own region's update."""
+        grad_of = {p: (gi, g) for gi, (ps, gs) in work.items() for p, g in zip(ps, gs)}
+        tasks = []
+        for region in reversed(self._regions):
+            by_group: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+            for p in region:
+                if p in grad_of:
+                    gi, g = grad_of.pop(p)
+                    ps, gs = by_group.setdefault(gi, ([], []))
+                    ps.append(p)
+                    gs.append(g)
+            tasks += [(gi, ps, gs) for gi, (ps, gs) in by_group.items()]
+        rest: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
+        for p, (gi, g) in grad_of.items():  # p.grad left by autograd: one task per group
+            ps, gs = rest.setdefault(gi, ([], []))
+            ps.append(p)
+            gs.append(g)
+        return tasks + [(gi, ps, gs) for gi, (ps, gs) in sorted(rest.items())]
 
     def _grad_norms(self, params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
         """Per-tensor 2-norms, reusing those the worker computed when a final gradient

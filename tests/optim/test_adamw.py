@@ -635,3 +635,58 @@ def test_thread_setting_stays_in_the_worker():
     train(P, ours, seed=18, steps=2, path="submit")
     train(Q, ref, seed=18, steps=2)
     assert_same(P, Q, ours, ref)
+
+
+# ---- clipped updates overlap the next forward ------------------------------------------------
+
+
+@pytest.mark.parametrize("option", [dict(max_grad_norm=0.05), dict(skip_nonfinite=True)])
+def test_streamed_params_update_after_step_returns_in_fetch_order(option):
+    """For parameters the backend streams (homed), step() with clipping or the finiteness
+    check queues the updates region by region, last-submitted first (the next forward's
+    fetch order), and returns before they run; the results equal the eager reference."""
+    from megatrain.runtime.host_store import home_parameters
+
+    seed = 23
+    P = make_problem(seed)
+    Q = clone_problem(P)
+    home_parameters(list(P.values()), pin=False)
+    ours = mo.AdamW(groups(P), **option)
+    ref = torch.optim.AdamW(groups(Q), fused=True)
+    gate, order = threading.Event(), []
+    update = ours._update
+
+    def gated(ps, gs, *args):
+        gate.wait(timeout=30)
+        order.append({n for n, p in P.items() for q in ps if p is q})
+        update(ps, gs, *args)
+
+    ours._update = gated
+    staging = Staging(sum(p.numel() for p in P.values()))
+    for t in range(3):
+        gate.clear()
+        x, y = batch(P, seed, t, 0)
+        submit_backward(ours, P, loss_fn(P, x, y), staging)
+        before = {k: p.detach().clone() for k, p in P.items()}
+        ours.step()  # returns while every update waits at the gate
+        assert all(torch.equal(before[k], p) for k, p in P.items())
+        ours.zero_grad()  # does not wait for the queued updates either
+        gate.set()
+        ours.wait_params([P[n] for n in REGIONS[-1]])
+        ours.synchronize()
+        x, y = batch(Q, seed, t, 0)
+        loss_fn(Q, x, y).backward()
+        if "max_grad_norm" in option:
+            torch.nn.utils.clip_grad_norm_(in_group_order(Q), option["max_grad_norm"], foreach=False)
+        ref.step()
+        ref.zero_grad()
+        assert_same(P, Q, ours, ref)
+    # One step's tasks cover every parameter, region by region backwards (a region may
+    # split into one task per param group).
+    first_step = order[: len(order) // 3]
+    assert set().union(*first_step) == set(P)
+    region_of = {n: i for i, r in enumerate(REGIONS) for n in r}
+    seq = [{region_of[n] for n in task} for task in first_step]
+    assert all(len(r) == 1 for r in seq)
+    seq = [r.pop() for r in seq]
+    assert seq == sorted(seq, reverse=True) and len(set(seq)) == len(REGIONS)

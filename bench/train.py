@@ -140,7 +140,9 @@ def _megatrain_stats(step_fn) -> dict:
              if g.streamer is not None and g.streamer.last_stats is not None]
     return {"h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
-            "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats)}
+            "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
+            "stall_by_region": [{r: round(t, 4) for r, t in s.stall_by_region().items() if t > 1e-4}
+                                for s in stats]}
 
 
 def run_system(args) -> dict:
@@ -189,8 +191,8 @@ def run_system(args) -> dict:
     elif args.system == "megatrain":
         import megatrain
 
-        opt = megatrain.AdamW(model.parameters(), lr=1e-4)
-        options = {"device": args.device, "precision": args.precision}
+        opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=args.optim_threads)
+        options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -222,7 +224,7 @@ def run_system(args) -> dict:
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
-        "final_loss": float(loss),
+        "final_loss": float(loss), "optim_threads": args.optim_threads, "prefetch": args.prefetch,
     }
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
@@ -268,6 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
+    p.add_argument("--optim-threads", type=int, default=None, help="megatrain.AdamW threads")
+    p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
     p.add_argument("--out", default=str(REPO / "bench/results/train.jsonl"))
     p.add_argument("--system", help=argparse.SUPPRESS)  # child mode

@@ -80,6 +80,15 @@ class StepStats:
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
 
+    def stall_by_region(self) -> dict[int, float]:
+        """Seconds of compute-stream stall per region (see transfer_stall_s)."""
+        if self.waits:
+            self.waits[-1][2].synchronize()
+        out: dict[int, float] = collections.defaultdict(float)
+        for region, before, after in self.waits:
+            out[region] += before.elapsed_time(after) / 1e3
+        return dict(out)
+
     def transfer_stall_s(self) -> float:
         """Seconds the compute stream sat waiting for weights this step (CUDA events
         recorded around each wait; blocks until the last of them has completed)."""
@@ -161,9 +170,10 @@ class Streamer:
         self.pool.acquire(nbytes, f"prefetch of region {region}")
         flat = torch.empty(lay.numel, dtype=self.compute_dtype, device=self.device)
         spans = contiguous_spans([p.detach() for p in host_params], lay)
-        self.stats.h2d_bytes += nbytes
         self.stats.regions_fetched.append(region)
         entry = _Inflight(flat, nbytes)
+        # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
+        self.stats.h2d_bytes += nbytes
         if not self.cuda:
             for off, n, src in spans:
                 flat[off:off + n].copy_(src)
@@ -175,6 +185,7 @@ class Streamer:
                 entry.done = self._copy_in(flat, spans, allocated)
             elif pinned and self._device_cast_chunk(lay.numel) is not None:
                 entry.done = self._copy_in_and_cast(flat, spans, allocated)
+                self.stats.h2d_bytes += sum(n * src.element_size() for _, n, src in spans) - nbytes
             else:
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated)
         self._inflight[region].append(entry)

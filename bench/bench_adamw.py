@@ -28,11 +28,9 @@ there), else 64M so the script stays quick on a small machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from _results import append_rows, run_metadata  # noqa: E402  (bench/ is sys.path[0])
 from megatrain.optim import AdamW  # noqa: E402
 
 
@@ -86,18 +85,8 @@ def cpu_model() -> str:
 
 
 def environment(threads: int) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
-    return {
-        "bench": "adamw", "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return {"bench": "adamw", "cpu": cpu_model(), "cores": os.cpu_count(), "threads": threads,
+            **run_metadata()}
 
 
 def make_regions(n_params: int, n_regions: int) -> list[list[torch.nn.Parameter]]:
@@ -211,12 +200,7 @@ def main(argv=None) -> int:
               f"{row['ratio_vs_torch_fused']:9.3f}")
     print(f"host RSS growth with megatrain.AdamW, gradients in staging: "
           f"{rss_per_param:.2f} B/param (12 = fp32 master + m + v)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"appended {len(rows)} rows to {out}")
+    append_rows(args.out, rows)
     return 0
 
 

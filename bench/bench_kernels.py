@@ -19,6 +19,9 @@ Minimal bytes (each tensor read or written exactly once; e = bytes per element):
   rope     fwd 2(Q + K)e + 2TDe         fwd+bwd 4(Q + K)e + 4TDe, Q = T*32*128, K = T*8*128
   swiglu   fwd 3TIe                     fwd+bwd 8TIe
   flce     fwd (TH + VH)e + 8T          fwd+bwd 2(TH + VH)e + 8T
+`ms` is the median wall time of a call between CUDA events (triton do_bench); `GPU ms` is
+the summed duration of the call's kernels (torch.profiler). Where `ms` is well above `GPU ms`
+the call is bound by Python dispatch on the host, not by its kernels.
 GB/s = minimal bytes / median time. flce is matmul-bound, so it also reports TFLOP/s
 (fwd 2THV, fwd+bwd 6THV). Peak memory is torch.cuda.max_memory_allocated over one call,
 reset before it; `extra` subtracts what was allocated before the call (inputs, weights).
@@ -33,10 +36,8 @@ check the script itself; its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _results import append_rows, run_metadata  # noqa: E402  (bench/ is sys.path[0])
 
 
 @dataclass
@@ -141,6 +144,23 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
+def _device_ms(step, leaves, calls: int = 5) -> float:
+    """GPU time of one call: the sum of its kernels' durations (torch.profiler), host gaps
+    left out. `ms` is the wall time between events and, for the sub-millisecond cases at
+    8k tokens, mostly measures Python dispatch on the host; inside a training step the host
+    runs ahead of the GPU and only this part costs time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            for t in leaves:
+                t.grad = None
+            step()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def _run_one(case: Case, provider: str, mode: str, device: str, bench, compiled: dict):
     torch.manual_seed(0)
     inputs = case.make(mode == "fwd+bwd")
@@ -180,27 +200,11 @@ def _run_one(case: Case, provider: str, mode: str, device: str, bench, compiled:
         row |= {"peak_gib": peak / 2**30, "extra_gib": (peak - base) / 2**30}
     ms = bench(step, leaves)
     row |= {"ms": ms, "gbps": case.bytes[mode] / ms / 1e6}
+    if device == "cuda":
+        row["gpu_ms"] = _device_ms(step, leaves)
     if mode in case.flops:
         row["tflops"] = case.flops[mode] / ms / 1e9
     return row
-
-
-def _environment(device: str) -> dict:
-    import triton
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO,
-                                    capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
-    return {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "commit": commit, "dirty": dirty,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
 
 
 def main(argv=None) -> int:
@@ -223,13 +227,13 @@ def main(argv=None) -> int:
     tokens = 64 if args.smoke else args.tokens
     torch.backends.cuda.matmul.allow_tf32 = False
     kernels = set(args.kernels.split(","))
-    env = _environment(device)
+    env = run_metadata()
     providers = ["eager", "megatrain"] + ([] if args.no_inductor else ["inductor"])
     bench, compiled, rows = _timer(device), {}, []
 
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  commit {env['commit']}")
-    header = f"{'kernel':8} {'shape':28} {'mode':8} {'provider':9} {'ms':>9} {'GB/s':>7} " \
-             f"{'TFLOP/s':>7} {'peak GiB':>8} {'extra':>7} {'vs eager':>8}"
+    header = f"{'kernel':8} {'shape':28} {'mode':8} {'provider':9} {'ms':>9} {'GPU ms':>8} " \
+             f"{'GB/s':>7} {'TFLOP/s':>7} {'peak GiB':>8} {'extra':>7} {'vs eager':>8}"
     print(header)
     for case in _cases(tokens, kernels, device, torch.bfloat16, args.smoke):
         for mode in ("fwd", "fwd+bwd"):
@@ -252,14 +256,9 @@ def main(argv=None) -> int:
                     eager_ms = res["ms"]
                 speed = f"{eager_ms / res['ms']:.2f}x" if eager_ms else "-"
                 print(f"{case.kernel:8} {case.shape:28} {mode:8} {provider:9} {res['ms']:9.3f} "
-                      f"{res['gbps']:7.0f} {res.get('tflops', 0):7.1f} "
+                      f"{res.get('gpu_ms', 0):8.3f} {res['gbps']:7.0f} {res.get('tflops', 0):7.1f} "
                       f"{res.get('peak_gib', 0):8.2f} {res.get('extra_gib', 0):7.2f} {speed:>8}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    print(f"appended {len(rows)} rows to {out}")
+    append_rows(args.out, rows)
     return 0
 
 

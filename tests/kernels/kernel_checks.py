@@ -9,6 +9,7 @@ of cancelling terms whose relative error is meaningless.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 TOLERANCES = {
@@ -17,6 +18,20 @@ TOLERANCES = {
 }
 
 DTYPES = list(TOLERANCES)
+
+# The parametrisation every kernel test file shares: each dtype of the tolerance table,
+# each case of a shape list (ids are the tuples themselves), and the GPU variant.
+each_dtype = pytest.mark.parametrize("dtype", DTYPES, ids=str)
+
+
+def each(name: str, values):
+    """Parametrise over `values` (shapes or case tuples), named by their str()."""
+    return pytest.mark.parametrize(name, values, ids=str)
+
+
+def gpu_each_dtype(fn):
+    """A `gpu`-marked test run once per dtype (skipped without CUDA by the conftest)."""
+    return pytest.mark.gpu(each_dtype(fn))
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
@@ -29,9 +44,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
                                atol=tol["atol"] * scale, msg=lambda m: f"{what}: {m}")
 
 
-def grads(outputs, inputs, upstream):
+def grads(outputs, inputs, upstream, retain_graph=None):
     """torch.autograd.grad of `outputs` w.r.t. `inputs` under given upstream grads."""
-    return torch.autograd.grad(outputs, inputs, upstream, allow_unused=False)
+    return torch.autograd.grad(outputs, inputs, upstream, retain_graph=retain_graph,
+                               allow_unused=False)
 
 
 def leaf(t: torch.Tensor) -> torch.Tensor:

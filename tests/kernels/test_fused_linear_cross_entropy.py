@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kernel_checks import (
-    DTYPES,
     assert_close,
     check_labelled,
     compile_capturing_ops,
+    each,
+    each_dtype,
+    gpu_each_dtype,
     grads,
     leaf,
     random_dims,
@@ -62,13 +64,13 @@ def _check(case, dtype, device, logit_scale=1.0):
     assert_close(got[1], want[1], dtype, "grad_weight")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+@each_dtype
+@each("case", CPU_CASES)
 def test_matches_reference(case, dtype):
     _check(case, dtype, "cpu")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype
 def test_large_logits_are_stable(dtype):
     _check((5, 16, 300, 2, 1, "mean"), dtype, "cpu", logit_scale=30.0)
 
@@ -114,6 +116,41 @@ def test_partial_and_no_grad():
         loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=4)
     assert_close(loss, ref.detach(), torch.float32, "loss")
     assert loss.grad_fn is None
+
+
+def test_second_backward_is_an_error_and_loss_reuse_is_fine():
+    hidden, weight, labels = _inputs(7, 5, 40, 2, torch.float32, "cpu")
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=3)
+    ref = fused_linear_cross_entropy_reference(hidden, weight, labels)
+    # One backward through a graph that uses the loss twice: grad_output sums to 2.5.
+    got = grads(loss * 2 + loss / 2, (hidden, weight), None, retain_graph=True)
+    want = grads(ref * 2 + ref / 2, (hidden, weight), None)
+    for a, b, name in zip(got, want, ("grad_hidden", "grad_weight")):
+        assert_close(a, b, torch.float32, name)
+    with pytest.raises(RuntimeError, match="runs once per forward"):
+        grads(loss, (hidden, weight), None)
+
+
+def test_backward_hands_over_its_gradients_without_copies():
+    """.grad is the buffer the forward filled (scaled in place), not a copy of it."""
+    hidden, weight, labels = _inputs(6, 4, 30, 1, torch.float32, "cpu")
+    loss, grad_h, grad_w = fused_linear_cross_entropy_op(hidden, weight, labels, -100, "mean",
+                                                         4, True, True)
+    ptrs = grad_h.data_ptr(), grad_w.data_ptr()
+    del grad_h, grad_w  # a reference kept here would (rightly) make autograd copy
+    (loss * 3).backward()
+    assert (hidden.grad.data_ptr(), weight.grad.data_ptr()) == ptrs
+    ref = fused_linear_cross_entropy_reference(hidden, weight, labels) * 3
+    for got, want in zip((hidden.grad, weight.grad), grads(ref, (hidden, weight), None)):
+        assert_close(got, want, torch.float32, "grad")
+
+
+def test_no_tokens():
+    hidden, weight = leaf(torch.randn(0, 6)), leaf(torch.randn(9, 6))
+    loss = fused_linear_cross_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    assert loss.item() == 0.0
+    gh, gw = grads(loss, (hidden, weight), None)
+    assert gh.shape == (0, 6) and torch.equal(gw, torch.zeros(9, 6))
 
 
 def test_default_chunk_size():
@@ -171,7 +208,7 @@ def test_bad_input(kwargs, match):
         fused_linear_cross_entropy(**args)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype
 def test_random_shapes(dtype):
     for _ in range(3):
         n, h, v, chunk = random_dims((1, 30), (1, 24), (2, 900), (1, 12))
@@ -180,7 +217,27 @@ def test_random_shapes(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.xfail(strict=False, reason="H200, torch 2.11 (2026-12-02): the extra peak was "
+                   "grad_weight + grad_hidden twice, i.e. autograd copied them, before ctx "
+                   "dropped mark_non_differentiable's references; not yet rerun on the GPU")
+def test_gpu_peak_memory():
+    """Beyond inputs, only grad_weight, grad_hidden and one logits chunk are ever allocated."""
+    n, h, v, chunk = 4096, 1024, 32000, 512
+    hidden, weight, labels = _inputs(n, h, v, 10, torch.bfloat16, "cuda")
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)  # warm-up
+    grads(loss, (hidden, weight), None)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    gh, gw = grads(loss, (hidden, weight), None)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = (v * h + n * h + chunk * v) * 2
+    assert extra <= budget + 2**20, f"extra {extra / 2**20:.1f} MiB > {budget / 2**20:.1f} MiB"
+
+
+@gpu_each_dtype
 def test_gpu(dtype, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     for case in GPU_CASES + CPU_CASES:

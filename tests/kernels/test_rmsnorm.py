@@ -4,15 +4,18 @@ import pytest
 import torch
 
 from kernel_checks import (
-    DTYPES,
     assert_close,
     check_labelled,
     compile_capturing_ops,
+    each,
+    each_dtype,
+    gpu_each_dtype,
     grads,
     leaf,
     random_dims,
 )
 from megatrain.kernels.rmsnorm import (
+    _rms_norm_bwd,
     rms_norm,
     rms_norm_backward_op,
     rms_norm_op,
@@ -37,8 +40,8 @@ def _check(shape, dtype, device, w_dtype=None, eps=1e-6):
     assert_close(dw, dw_ref, dtype, "dweight")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+@each_dtype
+@each("shape", CPU_SHAPES)
 def test_matches_reference(shape, dtype):
     _check(shape, dtype, "cpu")
 
@@ -99,7 +102,7 @@ def test_bad_input(bad, match):
         rms_norm(bad["x"], bad["w"], bad.get("eps", 1e-6))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype
 def test_random_shapes(dtype):
     for _ in range(3):
         rows, hidden = random_dims((1, 40), (1, 700))
@@ -113,9 +116,23 @@ def test_cpu_tensors_without_interpreter_are_a_clear_error():
         launch_context(object(), torch.device("cpu"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@gpu_each_dtype
 def test_gpu(dtype):
     for shape in GPU_SHAPES:
         _check(shape, dtype, "cuda")
     _check((64, 4096), torch.bfloat16, "cuda", w_dtype=torch.float32)
+
+
+@each_dtype
+@pytest.mark.parametrize("block_m, programs", [(1, 1), (1, 5), (4, 3), (8, 64), (16, 2)])
+def test_backward_tilings_agree(block_m, programs, dtype):
+    """dx and dweight do not depend on how rows are split into tiles and programs."""
+    x = torch.randn(23, 45, dtype=dtype) * 2 + 0.3
+    w = torch.randn(45, dtype=dtype)
+    dy = torch.randn_like(x)
+    _, rstd = rms_norm_op(x, w, 1e-6)
+    dx, dw = _rms_norm_bwd(dy, x, w, rstd, block_m=block_m, programs=programs)
+    xl, wl = leaf(x), leaf(w)
+    dx_ref, dw_ref = grads(rms_norm_reference(xl, wl, 1e-6), (xl, wl), dy)
+    assert_close(dx, dx_ref, dtype, "dx")
+    assert_close(dw, dw_ref, dtype, "dweight")

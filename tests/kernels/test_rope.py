@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from kernel_checks import (
-    DTYPES,
     assert_close,
     check_labelled,
     compile_capturing_ops,
+    each,
+    each_dtype,
+    gpu_each_dtype,
     grads,
     leaf,
     random_dims,
@@ -48,8 +50,8 @@ def _check(case, dtype, device, cos=None, sin=None):
         assert_close(a, b, dtype, name)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+@each_dtype
+@each("case", CPU_CASES)
 def test_matches_reference(case, dtype):
     _check(case, dtype, "cpu")
 
@@ -126,7 +128,7 @@ def test_cos_requiring_grad_is_refused():
         apply_rotary(q, k, cos.requires_grad_(), sin)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype
 def test_random_shapes(dtype):
     for _ in range(3):
         batch, kv, groups, seq, half = random_dims((1, 3), (1, 4), (1, 5), (1, 9), (1, 40))
@@ -135,8 +137,23 @@ def test_random_shapes(dtype):
         check_labelled(lambda c, d: _check(c, d, "cpu"), case, dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@gpu_each_dtype
 def test_gpu(dtype):
     for case in GPU_CASES + CPU_CASES:
         _check(case, dtype, "cuda")
+
+
+@pytest.mark.parametrize("block_s", [1, 2, 4])
+def test_position_tilings_agree(block_s):
+    """Several position blocks per (batch, head) row, the last one ragged, both directions."""
+    from megatrain.kernels.rope import _launch
+
+    q, k = torch.randn(2, 3, 7, 12), torch.randn(2, 1, 7, 12)
+    cos, sin = torch.randn(2, 7, 12), torch.randn(2, 7, 12)
+    for backward in (False, True):
+        got, want = _launch(q, k, cos, sin, backward, block_s), _launch(q, k, cos, sin, backward, 8)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    ref = apply_rotary_reference(q, k, cos, sin)
+    for a, b in zip(_launch(q, k, cos, sin, False, block_s), ref):
+        assert_close(a, b, torch.float32, "out")

@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from kernel_checks import (
-    DTYPES,
     assert_close,
     check_labelled,
     compile_capturing_ops,
+    each,
+    each_dtype,
+    gpu_each_dtype,
     grads,
     leaf,
     random_dims,
@@ -30,8 +32,8 @@ def _check(shape, dtype, device):
         assert_close(a, b, dtype, name)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
+@each_dtype
+@each("shape", CPU_SHAPES)
 def test_matches_reference(shape, dtype):
     _check(shape, dtype, "cpu")
 
@@ -85,14 +87,13 @@ def test_bad_input(gate, up, match):
         swiglu(gate, up)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@each_dtype
 def test_random_shapes(dtype):
     for _ in range(3):
         check_labelled(lambda s, d: _check(s, d, "cpu"), random_dims((1, 9), (1, 3000)), dtype)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@gpu_each_dtype
 def test_gpu(dtype):
     for shape in GPU_SHAPES:
         _check(shape, dtype, "cuda")

@@ -10,6 +10,7 @@ from .compiler import ops as _ops  # noqa: F401  (registers the megatrain:: cust
 from .compiler.backend import megatrain_backend
 from .compiler.explain import explain
 from .optim import AdamW
+from .distributed import ShardedAdamW
 
-__all__ = ["AdamW", "explain", "megatrain_backend"]
+__all__ = ["AdamW", "ShardedAdamW", "explain", "megatrain_backend"]
 __version__ = "0.1.0"

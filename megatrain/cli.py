@@ -87,15 +87,29 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
         return 0
     except RefusedError as e:
-        print(f"megatrain {command}: refused: {e}", file=sys.stderr)
+        if not _quiet_rank():  # under torchrun every rank refuses alike; rank 0 says why
+            print(f"megatrain {command}: refused: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
-        print(f"megatrain {command}: failed: {e}", file=sys.stderr)
+        if not _quiet_rank():
+            print(f"megatrain {command}: failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"megatrain {command}: interrupted; --resume continues from the last checkpoint",
               file=sys.stderr)
         return 130
+
+
+def _quiet_rank() -> bool:
+    """Under torchrun, ranks other than 0 print no refusal (every rank refuses alike). They
+    linger a moment before exiting: torchrun stops all ranks once one exits, and rank 0
+    must first get to print why."""
+    from megatrain.train.parallel import quiet_rank
+    if quiet_rank():
+        import time
+        time.sleep(2.0)
+        return True
+    return False
 
 
 if __name__ == "__main__":

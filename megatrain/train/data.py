@@ -129,10 +129,17 @@ def _check_range(src: DataSource, tokens: np.ndarray, vocab_size: int) -> None:
 
 
 class TokenLoader:
-    """Random windows of `seq`+1 tokens, `batch` at a time, as (input_ids, labels) int64."""
+    """Random windows of `seq`+1 tokens, `batch` at a time, as (input_ids, labels) int64.
 
-    def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int):
+    Data parallel: with ``world`` ranks, each batch is the same global batch on every rank
+    and rank ``rank`` gets its ``batch / world`` rows (contiguous); the position (and the
+    state_dict) stays the global one, so a run resumes with any number of ranks."""
+
+    def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int,
+                 rank: int = 0, world: int = 1):
         self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
+        assert world >= 1 and 0 <= rank < world and batch % world == 0, (rank, world, batch)
+        self.rank, self.world = rank, world
         self.n_windows = (len(tokens) - 1) // seq
         if self.n_windows < 1:
             raise RefusedError(f"the data has {len(tokens)} tokens, too few for one sequence of "
@@ -147,13 +154,16 @@ class TokenLoader:
         return self._perm
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = np.empty((self.batch, self.seq + 1), dtype=np.int64)
+        mine = self.batch // self.world
+        first = self.rank * mine
+        rows = np.empty((mine, self.seq + 1), dtype=np.int64)
         for r in range(self.batch):
             if self.index >= self.n_windows:
                 self.epoch, self.index = self.epoch + 1, 0
             start = int(self._order()[self.index]) * self.seq
             self.index += 1
-            rows[r] = self.tokens[start:start + self.seq + 1]
+            if first <= r < first + mine:
+                rows[r - first] = self.tokens[start:start + self.seq + 1]
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 

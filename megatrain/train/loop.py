@@ -24,7 +24,7 @@ import torch
 
 from megatrain.models import PRESETS, Llama
 
-from . import RefusedError, checkpoint, data, hf, metrics, plan, plot, tokenizer
+from . import RefusedError, checkpoint, data, hf, metrics, parallel, plan, plot, tokenizer
 
 
 @dataclass
@@ -108,12 +108,17 @@ def optimizer_class(cfg: TrainConfig):
     return torch.optim.AdamW, "torch"
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, distributed: bool = False):
+    """AdamW over two groups (decay on matrices only); under torchrun megatrain's is the
+    sharded one (megatrain.ShardedAdamW: gradients averaged over ranks, state split)."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     cls, kind = optimizer_class(cfg)
+    if distributed and kind == "megatrain":
+        from megatrain.distributed import ShardedAdamW
+        cls = ShardedAdamW
     kwargs = {"lr": cfg.lr, "betas": (0.9, 0.95), "eps": 1e-8}
     params = inspect.signature(cls).parameters
     if kind == "megatrain" and cfg.clip and "max_grad_norm" in params:
@@ -294,6 +299,8 @@ def _model_spec(cfg: TrainConfig, ckpt: Path | None):
 # ------------------------------------------------------------------------------ the run
 
 def _say(msg: str) -> None:
+    if parallel.quiet_rank():
+        return
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -301,8 +308,28 @@ def train(given: dict, available_bytes=None) -> dict:
     """Run `megatrain train`; `given` holds the arguments the user set. Returns a summary.
 
     Raises RefusedError before any work when an argument is wrong or the plan cannot fit.
+    Under torchrun, trains data parallel (see megatrain.train.parallel).
     """
     cfg, ckpt = resolve_config(given)
+    dinfo = parallel.start(cfg)
+    agreement = parallel.Agreement(dinfo)
+    try:
+        summary = _train(cfg, ckpt, dinfo, agreement, available_bytes)
+    except RefusedError as e:
+        try:
+            agreement.refuse(e)
+        finally:
+            _shutdown(dinfo)
+    _shutdown(dinfo)
+    return summary
+
+
+def _shutdown(dinfo) -> None:
+    from megatrain.distributed import shutdown
+    shutdown(dinfo)
+
+
+def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_bytes) -> dict:
     out = Path(cfg.out)
     if not cfg.resume and not cfg.overwrite and (
             checkpoint.list_checkpoints(out) or (out / metrics.FILENAME).is_file()):
@@ -327,9 +354,10 @@ def train(given: dict, available_bytes=None) -> dict:
     if cfg.lr is None:
         cfg.lr = 3e-3 if n_params < 50e6 else 3e-4
     micro_batch = cfg.batch_tokens // cfg.grad_accum // cfg.seq
+    parallel.check_batch(micro_batch, cfg, dinfo)
     _, opt_kind = optimizer_class(cfg)
     pcfg = plan.PlanConfig(
-        tokens=micro_batch * cfg.seq, seq=cfg.seq, grad_accum=cfg.grad_accum,
+        tokens=micro_batch // dinfo.world_size * cfg.seq, seq=cfg.seq, grad_accum=cfg.grad_accum,
         precision=cfg.precision, device=cfg.device, compile=cfg.compile, optimizer=opt_kind,
         clip=cfg.clip,
         gpu_memory=plan.parse_bytes(cfg.gpu_memory), data_bytes=src.in_memory_bytes(),
@@ -344,13 +372,16 @@ def train(given: dict, available_bytes=None) -> dict:
              f"--gpu-memory {cfg.gpu_memory}; lower --batch-tokens or raise --grad-accum")
 
     # ------------------------------------------------------------------ work starts here
-    if cfg.overwrite and not cfg.resume:
-        shutil.rmtree(checkpoint.checkpoints_root(out), ignore_errors=True)
-        (out / metrics.FILENAME).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint.remove_partial(out)
+    agreement.agree()  # under torchrun: every rank got here, none refused
+    if dinfo.is_main:
+        if cfg.overwrite and not cfg.resume:
+            shutil.rmtree(checkpoint.checkpoints_root(out), ignore_errors=True)
+            (out / metrics.FILENAME).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial(out)
     tokens = data.load_tokens(src, tok, lcfg.vocab_size, cfg.data_dtype)
-    loader = data.TokenLoader(tokens, cfg.seq, micro_batch, cfg.seed)
+    loader = data.TokenLoader(tokens, cfg.seq, micro_batch, cfg.seed,
+                              rank=dinfo.rank, world=dinfo.world_size)
 
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -365,7 +396,7 @@ def train(given: dict, available_bytes=None) -> dict:
             total = torch.cuda.get_device_properties(device).total_memory
             fraction = min(1.0, plan.parse_bytes(cfg.gpu_memory) / total)
             torch.cuda.set_per_process_memory_fraction(fraction, device)
-    opt, opt_kind = make_optimizer(model, cfg)
+    opt, opt_kind = make_optimizer(model, cfg, distributed=dinfo.distributed)
     start, tokens_seen = 0, 0
     if ckpt is not None:
         state = checkpoint.load_checkpoint(ckpt, model, opt)
@@ -380,7 +411,12 @@ def train(given: dict, available_bytes=None) -> dict:
         state = {"tokens_seen": tokens_seen, "data": loader.state_dict(), "config": saved_cfg,
                  "model_config": asdict(lcfg), "torch_version": torch.__version__,
                  "optimizer": opt_kind, "time": time.time()}
-        return checkpoint.save_checkpoint(out, step, model, opt, state, hf_config,
+        saved_opt = opt
+        if dinfo.distributed:  # a collective: the whole state, on rank 0
+            saved_opt = parallel.SavedState(opt.full_state_dict(to_rank=0))
+            if not dinfo.is_main:
+                return None
+        return checkpoint.save_checkpoint(out, step, model, saved_opt, state, hf_config,
                                           tok.files(), keep=cfg.keep)
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
@@ -391,8 +427,11 @@ def train(given: dict, available_bytes=None) -> dict:
     flops_per_step = plan.model_flops_per_token(model, cfg.seq) * tokens_per_step
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if cfg.compile == "eager" and cfg.precision == "bf16" else contextlib.nullcontext())
-    writer = metrics.MetricsWriter(out, resume_step=start if ckpt is not None else None)
-    _say(f"training {_model_name(cfg.model)} ({n_params / 1e6:,.2f} M params) on {cfg.device} "
+    writer = (metrics.MetricsWriter(out, resume_step=start if ckpt is not None else None)
+              if dinfo.is_main else parallel.NullWriter())
+    where = (f"{dinfo.world_size} ranks ({device.type}, data parallel)" if dinfo.distributed
+             else cfg.device)
+    _say(f"training {_model_name(cfg.model)} ({n_params / 1e6:,.2f} M params) on {where} "
          f"[{cfg.compile}, {cfg.precision}, {opt_kind} AdamW]: steps {start + 1}..{end} of "
          f"{cfg.steps}, {tokens_per_step} tokens/step ({micro_batch} x {cfg.seq} x "
          f"{cfg.grad_accum}), lr {cfg.lr:g} warmup {cfg.warmup} cosine; data {src.path} "
@@ -423,7 +462,7 @@ def train(given: dict, available_bytes=None) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
-            loss_val = loss_sum / cfg.grad_accum
+            loss_val = parallel.mean_over_ranks(loss_sum, dinfo) / cfg.grad_accum
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"loss is {loss_val} at step {step}; lower --lr "
                                          f"({cfg.lr:g}) or keep --clip on; the last checkpoint "
@@ -456,7 +495,7 @@ def train(given: dict, available_bytes=None) -> dict:
             bar.close()
     if end > start:
         last_ckpt = save(end)
-    png = plot.plot_metrics(out) if metrics.read_metrics(out) else None
+    png = plot.plot_metrics(out) if dinfo.is_main and metrics.read_metrics(out) else None
     steady = times[1:] or times
     summary = {"steps": end, "final_loss": float(np.mean(losses[-10:])) if losses else None,
                "first_loss": losses[0] if losses else None,
@@ -473,7 +512,7 @@ def train(given: dict, available_bytes=None) -> dict:
 
 
 def _progress(cfg: TrainConfig, start: int):
-    if not cfg.progress:
+    if not cfg.progress or parallel.quiet_rank():
         return None
     try:
         from tqdm import tqdm

@@ -37,8 +37,10 @@ def run_metadata() -> dict:
     try:
         commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
     except (OSError, subprocess.CalledProcessError):
-        # The device machine gets a copy of the tree without .git: the caller names the commit.
-        commit, dirty = os.environ.get("MEGATRAIN_COMMIT", "unknown"), None
+        commit, dirty = "unknown", None
+    # A copy of the tree on another machine may carry a stale .git or none: the caller
+    # names the commit it copied.
+    commit = os.environ.get("MEGATRAIN_COMMIT", commit)
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": _version("triton"),

@@ -200,7 +200,7 @@ def run_system(args) -> dict:
     else:
         raise SystemExit(f"unknown system {args.system!r}")
 
-    times = []
+    times, phases = [], []
     for i in range(args.steps):
         x, y = data[i], data[i + 1]
         if to_device:
@@ -210,14 +210,24 @@ def run_system(args) -> dict:
         t0 = time.perf_counter()
         with autocast:
             loss = step_fn(x, labels=y)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-        print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f}", file=sys.stderr)
+        # Host time in each call: the host runs ahead of the GPU until something waits, so
+        # for megatrain backward ends when the last gradient is handed over, and step() is
+        # the optimizer's tail after backward.
+        phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
+                       "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
+        print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
+              f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
+    timed = phases[args.warmup:] or phases[-1:]
     row = {
         "system": args.system, "model": args.model, "params": n_params,
         "tokens_per_step": args.tokens, "seq": args.seq, "step_s": step,
@@ -225,6 +235,7 @@ def run_system(args) -> dict:
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         "final_loss": float(loss), "optim_threads": args.optim_threads, "prefetch": args.prefetch,
+        **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
@@ -317,6 +328,9 @@ def main(argv=None) -> int:
         if b:
             print(f"{'':18s} bound terms: " + ", ".join(f"{k[6:]}={v:.3f}" for k, v in b.items()
                                                          if k.startswith("bound_") and v is not None))
+        print(f"{'':18s} host time in calls: " + ", ".join(
+            f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
+                                               "final_sync_s") if k in r))
     return 0
 
 

@@ -10,7 +10,9 @@ embedding; recompute not counted), MFU, peak GPU memory, peak host RSS; for mega
 PCIe GB/s, the compute stream's time stalled on weights and the host time blocked on
 optimizer updates (runtime CUDA events / timers), and the step bound
 max(compute = resident-compiled step, host memory = 34 B/param / AdamW bandwidth,
-PCIe = bytes / H2D rate) with the achieved fraction of it.
+PCIe = bytes / H2D rate) with the achieved fraction of it. Host bytes per parameter are
+the peak RSS over the RSS before the model was built (CUDA context already up), divided by
+the parameter count.
 
     python bench/train.py --model 1.3b --tokens 16384 --seq 2048 \
         --systems resident-compiled,resident,fsdp2-offload,megatrain --gpu-memory 12GiB
@@ -152,6 +154,9 @@ def run_system(args) -> dict:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if cuda:
+        torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
+    rss_base = _status("VmRSS")
     model = _model(args.model)
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
@@ -234,6 +239,8 @@ def run_system(args) -> dict:
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
+        # peak RSS over the process's RSS before the model existed (CUDA context included)
+        "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         "final_loss": float(loss), "optim_threads": args.optim_threads, "prefetch": args.prefetch,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
@@ -313,7 +320,7 @@ def main(argv=None) -> int:
     compiled = next((r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r), None)
     print(f"probe: {probe}")
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "
-          f"{'RSS GiB':>7s} {'vs comp':>7s} {'stall s':>7s} {'optw s':>6s} {'PCIe':>5s} {'bound':>5s}")
+          f"{'RSS GiB':>7s} {'B/par':>5s} {'vs comp':>7s} {'stall s':>7s} {'optw s':>6s} {'PCIe':>5s} {'bound':>5s}")
     for r in rows:
         if "error" in r:
             print(f"{r['system']:18s} error: {r['error']}")
@@ -322,7 +329,7 @@ def main(argv=None) -> int:
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         print(f"{r['system']:18s} {r['tokens_per_s']:8.0f} {r['tflops']:7.1f} {f('mfu', '5.2f')} "
               f"{r['step_s']:6.3f} {f('peak_gpu_gib', '7.1f')} {r['host_rss_gib']:7.1f} "
-              f"{(compiled / r['step_s']) if compiled else float('nan'):7.2f} {f('transfer_stall_s', '7.3f')} "
+              f"{f('host_bytes_per_param', '5.1f')} {(compiled / r['step_s']) if compiled else float('nan'):7.2f} {f('transfer_stall_s', '7.3f')} "
               f"{f('optimizer_wait_s', '6.3f')} {f('pcie_gbs', '5.1f')} "
               f"{b.get('fraction_of_bound', float('nan')):5.2f}")
         if b:

@@ -11,7 +11,8 @@ One `Streamer` serves one compiled graph pair (forward, backward). It owns:
   on the host memory bus the optimizer is bound by (bench/results/NOTES.md). Unpinned or
   over-budget cases fall back to a host cast thread into pinned staging;
 - pinned staging for gradients coming back, in the compute dtype (the optimizer upcasts
-  them chunk by chunk, see megatrain.optim.functional.adamw_).
+  them chunk by chunk, see megatrain.optim.functional.adamw_), one slab per region in
+  flight (grad_slabs.py) so the host holds a few regions of gradients, not all of them.
 
 Device buffers are allocated on the compute stream at prefetch time, filled on the copy
 stream after an event, and handed to the graph at `wait`, after which the graph owns them:
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grad_slabs import GradSlabs
 from .layout import FlatLayout, contiguous_spans
 from ..optim.registry import owner_of
 from .pool import DevicePool
@@ -120,7 +122,8 @@ class Streamer:
         self._ready: dict[int, list[int]] = collections.defaultdict(list)
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
         self._handoffs: list[concurrent.futures.Future] = []
-        self._in_flight: list[list] = []
+        self._in_flight: list[list] = []  # [staged, done, device grad, slab] per gradient
+        self._slabs = GradSlabs(pin=self.cuda)
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         if self.cuda:
@@ -165,6 +168,9 @@ class Streamer:
         self.stats.optimizer_wait_s += time.perf_counter() - t0
         lay = self.layout([p.shape for p in host_params])
         nbytes = lay.numel * self.compute_dtype.itemsize
+        # This region's gradients come back in the compute dtype (fp32 on the CPU path).
+        grad_size = self.compute_dtype.itemsize if self.cuda else 4
+        self._slabs.reserve(lay.numel * grad_size + 64 * len(host_params))
         if self._cast_chunk is not None and self.pool.live + nbytes > self.pool.budget:
             self._drop_cast_chunk()  # the plan's buffers come first; staging is a bonus
         self.pool.acquire(nbytes, f"prefetch of region {region}")
@@ -288,14 +294,15 @@ class Streamer:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
 
     def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
+        staged, slab = self._slabs.carve(region, grad.shape, grad.dtype)
         if grad.device.type == "cpu":
-            entry = [grad.detach().clone(), None, None]
+            entry = [staged.copy_(grad), None, None, slab]
         else:
-            staged, done = self._copy_out(grad)
+            done = self._copy_out_into(staged, grad)
             # Holding `grad` keeps its device memory until the copy ends (no record_stream);
             # `_release_copied` lets go as soon as the event says so.
             self._release_copied()
-            entry = [staged, done, grad]
+            entry = [staged, done, grad, slab]
             self._in_flight.append(entry)
         self._contrib[param_id].append(entry)
         if len(self._contrib[param_id]) == self._expect_param[param_id]:
@@ -304,10 +311,12 @@ class Streamer:
         if self._region_seen[region] == self._expect_region[region]:
             del self._region_seen[region]  # the next backward counts afresh
             pids = self._ready.pop(region, [])
-            if not pids:
-                return
             parts = [self._contrib.pop(i) for i in pids]
-            self._handoffs.append(self._handoff.submit(self._hand_over, pids, parts))
+            slab = self._slabs.seal(region)
+            # Contributions of tied weights still waiting for another region sit in this
+            # slab too: the hand-off moves them out before it frees the slab.
+            waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
+            self._handoffs.append(self._handoff.submit(self._hand_over, pids, parts, slab, waiting))
 
     def _release_copied(self) -> None:
         """Drop device gradients whose device-to-host copy has completed."""
@@ -319,14 +328,29 @@ class Streamer:
                 keep.append(entry)
         self._in_flight = keep
 
-    def _hand_over(self, pids: list[int], parts: list[list]) -> None:
-        """On the hand-off thread: wait for the copies, sum tied contributions (in fp32),
-        submit. A single contribution goes in its compute dtype: the optimizer upcasts it
-        in cache-sized chunks, which a p.grad fallback does at once."""
+    def _hand_over(self, pids: list[int], parts: list[list], slab, waiting: list[list]) -> None:
+        """On the hand-off thread: hand one region's gradients to their optimizer, then
+        free its slab (after moving out contributions that wait for another region)."""
+        try:
+            self._submit_gradients(pids, parts)
+            for entry in waiting:
+                if entry[1] is not None:
+                    entry[1].synchronize()
+                entry[0], entry[3] = entry[0].clone(), None
+        finally:
+            if slab is not None:
+                self._slabs.release(slab)
+
+    def _submit_gradients(self, pids: list[int], parts: list[list]) -> None:
+        """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
+        optimizer has consumed them. A single contribution goes in its compute dtype: the
+        optimizer upcasts it in cache-sized chunks, which a p.grad fallback does at once."""
+        if not pids:
+            return
         grads = []
         for contributions in parts:
             total = None
-            for staged, done, _ in contributions:
+            for staged, done, *_ in contributions:
                 if done is not None:
                     done.synchronize()
                 if len(contributions) == 1:
@@ -341,7 +365,7 @@ class Streamer:
             if opt is None:
                 # The optimizer this graph was compiled for is gone: keep the gradient
                 # where any torch optimizer finds it, like autograd would.
-                g = g.to(p.dtype)
+                g = g.to(p.dtype, copy=True)  # its own memory: the slab is reused
                 p.grad = g if p.grad is None else p.grad.add_(g)
                 continue
             owners.setdefault(id(opt), (opt, [], []))
@@ -382,10 +406,13 @@ class Streamer:
         return out
 
     def _copy_out(self, grad: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event"]:
-        """Device-to-host copy into pinned memory on the D2H stream, after the compute
+        staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        return staged, self._copy_out_into(staged, grad)
+
+    def _copy_out_into(self, staged: torch.Tensor, grad: torch.Tensor) -> "torch.cuda.Event":
+        """Device-to-host copy into pinned `staged` on the D2H stream, after the compute
         stream has produced `grad`; the event marks when the host copy is complete."""
         self.stats.d2h_bytes += grad.numel() * grad.element_size()
-        staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()
@@ -393,7 +420,7 @@ class Streamer:
             self.d2h_stream.wait_event(produced)
             staged.copy_(grad, non_blocking=True)
             done.record(self.d2h_stream)
-        return staged, done
+        return done
 
     def _retire_done(self) -> None:
         for p in self._pending:

@@ -81,6 +81,14 @@ class StepStats:
     regions_fetched: list = field(default_factory=list)
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
+    transfers: list = field(default_factory=list)  # CUDA (region, started, done) on the copy stream
+
+    def h2d_busy_s(self) -> float:
+        """Seconds the host-to-device stream spent on weight copies (and device casts)."""
+        if not self.transfers:
+            return 0.0
+        self.transfers[-1][2].synchronize()
+        return sum(a.elapsed_time(b) for _, a, b in self.transfers) / 1e3
 
     def stall_by_region(self) -> dict[int, float]:
         """Seconds of compute-stream stall per region (see transfer_stall_s)."""
@@ -188,21 +196,23 @@ class Streamer:
             allocated.record(torch.cuda.current_stream(self.device))
             pinned = all(src.is_pinned() for _, _, src in spans)
             if pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
-                entry.done = self._copy_in(flat, spans, allocated)
+                entry.done = self._copy_in(flat, spans, allocated, region)
             elif pinned and self._device_cast_chunk(lay.numel) is not None:
-                entry.done = self._copy_in_and_cast(flat, spans, allocated)
+                entry.done = self._copy_in_and_cast(flat, spans, allocated, region)
                 self.stats.h2d_bytes += sum(n * src.element_size() for _, n, src in spans) - nbytes
             else:
-                entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated)
+                entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
         self._inflight[region].append(entry)
 
-    def _copy_in(self, flat, spans, allocated):
-        done = torch.cuda.Event()
+    def _copy_in(self, flat, spans, allocated, region):
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(allocated)
+            started.record(self.h2d_stream)
             for off, n, src in spans:
                 flat[off:off + n].copy_(src, non_blocking=True)
             done.record(self.h2d_stream)
+        self.stats.transfers.append((region, started, done))
         return done
 
     def _device_cast_chunk(self, region_numel: int) -> torch.Tensor | None:
@@ -230,13 +240,14 @@ class Streamer:
         self.pool.release(self._cast_chunk.numel() * 4)
         self._cast_chunk, self._cast_chunk_refused = None, True
 
-    def _copy_in_and_cast(self, flat, spans, allocated):
+    def _copy_in_and_cast(self, flat, spans, allocated, region):
         """fp32 pinned host -> device fp32 chunk -> compute dtype, all on the copy stream
         (the chunk is reused in stream order, so one chunk serves every region)."""
         chunk = self._cast_chunk
-        done = torch.cuda.Event()
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(allocated)
+            started.record(self.h2d_stream)
             for off, n, src in spans:
                 src = src.reshape(-1)
                 for start in range(0, n, chunk.numel()):
@@ -244,9 +255,10 @@ class Streamer:
                     chunk[:k].copy_(src[start:start + k], non_blocking=True)
                     flat[off + start:off + start + k].copy_(chunk[:k])
             done.record(self.h2d_stream)
+        self.stats.transfers.append((region, started, done))
         return done
 
-    def _cast_and_copy_in(self, flat, spans, allocated):
+    def _cast_and_copy_in(self, flat, spans, allocated, region):
         slot = self._staging_next
         self._staging_next = (slot + 1) % len(self._staging)
         if self._staging_free[slot] is not None:
@@ -257,11 +269,13 @@ class Streamer:
             buf = self._staging[slot] = torch.empty(need, dtype=self.compute_dtype, pin_memory=True)
         for off, n, src in spans:
             buf[off:off + n].copy_(src)
-        done = torch.cuda.Event()
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.h2d_stream):
             self.h2d_stream.wait_event(allocated)
+            started.record(self.h2d_stream)
             flat.copy_(buf[:need], non_blocking=True)
             done.record(self.h2d_stream)
+        self.stats.transfers.append((region, started, done))
         self._staging_free[slot] = done
         return done
 

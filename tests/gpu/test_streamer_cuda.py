@@ -44,3 +44,14 @@ def test_fetched_weights_equal_a_bf16_cast(monkeypatch, chunk, budget):
         torch.cuda.synchronize()
     assert (s._cast_chunk is not None) == (budget > numel * 2)
     assert s.stats.transfer_stall_s() >= 0.0
+
+
+def test_homed_masters_are_page_locked_without_power_of_two_rounding():
+    # 3 MB + a bit: the pinned allocator would round this up to 4 MB.
+    params = [torch.nn.Parameter(torch.randn(786_433)), torch.nn.Parameter(torch.randn(7))]
+    buf = home_parameters(params, pin=True)
+    assert buf.is_pinned() and all(p.is_pinned() for p in params)
+    assert buf.untyped_storage().nbytes() <= buf.numel() * 4 + 2 * 4096
+    del buf
+    params.clear()  # the last user unregisters the pages; nothing to observe but no error
+    torch.cuda.synchronize()

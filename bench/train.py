@@ -143,6 +143,7 @@ def _megatrain_stats(step_fn) -> dict:
     return {"h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
             "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
+            "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
             "stall_by_region": [{r: round(t, 4) for r, t in s.stall_by_region().items() if t > 1e-4}
                                 for s in stats]}
 
@@ -247,6 +248,9 @@ def run_system(args) -> dict:
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
         row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9
+        # the rate weight copies reached while they ran (contention with the optimizer's
+        # host memory traffic and the gradient copies shows here)
+        row["h2d_copy_gbs"] = row["h2d_bytes"] / row["h2d_busy_s"] / 1e9 if row["h2d_busy_s"] else None
     return row
 
 
@@ -335,6 +339,9 @@ def main(argv=None) -> int:
         if b:
             print(f"{'':18s} bound terms: " + ", ".join(f"{k[6:]}={v:.3f}" for k, v in b.items()
                                                          if k.startswith("bound_") and v is not None))
+        if r.get("h2d_copy_gbs"):
+            print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
+                  f"stall by region: {r.get('stall_by_region')}")
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

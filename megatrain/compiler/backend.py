@@ -1,8 +1,8 @@
 """`torch.compile(model, backend="megatrain")`: the pipeline, stage by stage.
 
     options -> capture (re-home onto the device, fetch per region) -> AOTAutograd with the
-    region-checkpointing partition -> transfer schedule + FX transfer nodes (per graph, with
-    the device budget proven) -> lowering (Inductor) -> runtime (streamer).
+    region-checkpointing partition -> the planner's schedule of the graph pair (device
+    budget proven, validated) -> its FX transfer nodes -> lowering (Inductor) -> runtime.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
 from .plan import GraphPlan
+from .schedule import schedule_step
 
 _seen_breaks = 0
 
@@ -95,37 +96,23 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     cap = rehome(gm, example_inputs, opts.device, sid)
     _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
 
-    plan = GraphPlan(regions=cap.regions.regions, slots=opts.prefetch + 1, budget=opts.gpu_memory,
-                     streamer=streamer)
+    plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer)
 
-    def schedule(fw, bw, saved, slots):
-        f = insert_transfers(fw, "forward", sid, slots, opts.device, opts.compute_dtype)
-        b = insert_transfers(bw, "backward", sid, slots, opts.device, opts.compute_dtype) if bw is not None else None
-        peak = max(f.predicted_peak_bytes, b.predicted_peak_bytes if b else 0)
-        return f, b, peak
+    def transfers(fw, bw):
+        """Plan the pair (bw None: forward only), then materialise exactly that plan."""
+        sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
+                              opts.prefetch)
+        f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
+                             opts.compute_dtype)
+        plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
+        if bw is not None:
+            b = insert_transfers(bw, "backward", sid, sched.backward, sched.backward_fetches, opts.device,
+                                 opts.compute_dtype)
+            plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
-    def on_partition(joint_module, repartition, fw, bw, saved):
-        # The largest prefetch depth whose predicted peak fits the budget; the plan says which.
-        for slots in range(opts.prefetch + 1, 0, -1):
-            if slots != opts.prefetch + 1:
-                fw, bw = repartition()
-            f, b, peak = schedule(fw, bw, saved, slots)
-            if peak <= opts.gpu_memory:
-                break
-        else:
-            raise MegatrainValueError(
-                f"gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)}) is too small: "
-                f"streaming one region at a time still peaks at {peak} bytes ({format_bytes(peak)}) "
-                f"(weights in flight, {format_bytes(saved.bytes)} of saved boundary activations, one "
-                f"region's working set); give gpu_memory >= {peak} bytes or use a smaller batch/sequence")
-        if slots != opts.prefetch + 1:
-            warnings.warn(f"megatrain: prefetch={opts.prefetch} does not fit gpu_memory="
-                          f"{format_bytes(opts.gpu_memory)}; using prefetch={slots - 1}", stacklevel=2)
-        plan.slots = slots
+    def on_partition(fw, bw, saved):
+        transfers(fw, bw)
         plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
-        plan.forward_events, plan.backward_events = f.events, b.events
-        plan.prefetch_count = f.prefetch_count + b.prefetch_count
-        plan.predicted_peak_bytes = peak
         handoffs = gradient_handoffs(bw) if bw is not None else []
         if handoffs:
             per_param, per_region = collections.Counter(p for _, p in handoffs), collections.Counter(
@@ -149,9 +136,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
         return lower(fx_gm, inputs, opts.lowering, is_backward=True)
 
     def inference_compiler(fx_gm, inputs):
-        f = insert_transfers(fx_gm, "forward", sid, opts.prefetch + 1, opts.device, opts.compute_dtype)
-        plan.forward_events, plan.prefetch_count = f.events, f.prefetch_count
-        plan.predicted_peak_bytes = f.predicted_peak_bytes
+        transfers(fx_gm, None)
         return fw_compiler(fx_gm, inputs)
 
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"

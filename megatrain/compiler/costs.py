@@ -54,6 +54,8 @@ class Rates:
 
 # The H200 box of DESIGN.md section 4, for examples and tests that need plausible numbers.
 H200 = Rates("NVIDIA H200 (DESIGN.md)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
+# A few-core CPU as the compute device (fp32 matmul, memcpy "transfers"), order of magnitude.
+CPU = Rates("CPU (default)", h2d=10e9, d2h=10e9, duplex=15e9, flops=100e9, adamw=0.5e9)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class Options:
         (CUDA) or 4 GiB (CPU device).
     precision: "bf16" computes in bfloat16 from the fp32 host master; "fp32" computes in fp32
         and matches eager training to float tolerance.
-    prefetch: regions fetched ahead of the one computing (1 = double buffering).
+    prefetch: the most regions fetched ahead of the one computing (1 = double buffering);
+        the planner picks the fastest depth up to it that fits gpu_memory.
     lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
         "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
     kernels: which eager patterns to replace with megatrain's Triton kernels (names from

@@ -132,8 +132,7 @@ def check_saved(fw: fx.GraphModule, num_fwd_outputs: int, info: JointAnalysis) -
 def make_partition_fn(on_partition=None):
     """A partition_fn for aot_module_simplified.
 
-    `on_partition(joint, repartition, fw, bw, saved) -> (fw, bw)` schedules the two graphs;
-    `repartition()` returns a fresh (fw, bw) pair, so the caller can try another schedule.
+    `on_partition(fw, bw, saved) -> (fw, bw)` schedules the two graphs.
     """
 
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -141,14 +140,10 @@ def make_partition_fn(on_partition=None):
 
         info = tag_for_region_checkpointing(joint_module.graph)
 
-        def repartition():
-            fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-            check_saved(fw, num_fwd_outputs, info)
-            return fw, bw
-
-        fw, bw = repartition()
+        fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        check_saved(fw, num_fwd_outputs, info)
         if on_partition is not None:
-            fw, bw = on_partition(joint_module, repartition, fw, bw, saved_activations(fw, num_fwd_outputs))
+            fw, bw = on_partition(fw, bw, saved_activations(fw, num_fwd_outputs))
         return fw, bw
 
     return partition

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import timeline as timeline_mod
 from .regions import Region
 
 
 @dataclass
 class GraphPlan:
-    """One dynamo graph (one backend call): its regions, schedules and lowered code."""
+    """One dynamo graph (one backend call): its regions, the planner's schedule, the
+    transfer ops it materialised and the lowered code."""
 
     regions: list[Region]
-    slots: int
     budget: int
     forward_code: str = ""
     backward_code: str = ""
@@ -21,12 +22,26 @@ class GraphPlan:
     prefetch_count: int = 0
     saved_activation_bytes: int = 0
     saved_activations: list[str] = field(default_factory=list)
-    predicted_peak_bytes: int = 0
+    schedule: object = None  # schedule.StepSchedule: the planner's plan, rates, event lists
     streamer: object = None
 
     @property
     def code(self) -> str:
         return f"# forward\n{self.forward_code}\n# backward\n{self.backward_code}"
+
+    @property
+    def slots(self) -> int:
+        """Device buffers for region weights the planner chose (prefetch depth + 1)."""
+        return self.schedule.slots if self.schedule is not None else 0
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.schedule.plan.peak_bytes if self.schedule is not None else 0
+
+    @property
+    def predicted_step_s(self) -> float | None:
+        """Seconds per step the cost model predicts for this graph's schedule."""
+        return self.schedule.plan.step_time if self.schedule is not None else None
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -37,6 +52,13 @@ class GraphPlan:
         if s.cuda_peak is not None:
             return s.cuda_peak
         return s.pool_peak
+
+    @property
+    def measured_records(self) -> list:
+        """The last step's measured intervals from the runtime's CUDA events (weight copies,
+        compute-stream waits for them); [] before a CUDA step ran."""
+        s = self.streamer.last_stats if self.streamer is not None else None
+        return timeline_mod.cuda_records(s) if s is not None else []
 
 
 @dataclass
@@ -56,6 +78,12 @@ class Plan:
         return max((g.predicted_peak_bytes for g in self.graphs), default=0)
 
     @property
+    def predicted_step_s(self) -> float | None:
+        """Predicted seconds per step: the graphs run one after another, each once."""
+        times = [g.predicted_step_s for g in self.graphs if g.predicted_step_s is not None]
+        return sum(times) if times else None
+
+    @property
     def measured_peak_bytes(self) -> int | None:
         vals = [g.measured_peak_bytes for g in self.graphs if g.measured_peak_bytes is not None]
         return max(vals) if vals else None
@@ -63,3 +91,20 @@ class Plan:
     @property
     def prefetch_count(self) -> int:
         return sum(g.prefetch_count for g in self.graphs)
+
+    def timeline(self, path) -> str:
+        """Write a Chrome-trace JSON (open it in ui.perfetto.dev) of every graph's predicted
+        schedule, one track per stream, and beside it the measured last step where the
+        runtime recorded one. Returns the path."""
+        traces = []
+        for i, g in enumerate(self.graphs):
+            if g.schedule is None:
+                continue
+            name = f"graph {i}: {g.schedule.rates.device}"
+            traces.append(timeline_mod.chrome_trace(g.schedule.plan.schedule, pid=2 * i + 1,
+                                                    process=f"megatrain predicted ({name})"))
+            records = g.measured_records
+            if records:
+                traces.append(timeline_mod.measured_trace(records, pid=2 * i + 2,
+                                                          process=f"megatrain measured (graph {i})"))
+        return timeline_mod.write_trace(timeline_mod.merge(traces), path)

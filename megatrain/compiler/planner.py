@@ -11,9 +11,11 @@ The task graph (`networkx.DiGraph`), per micro-batch and step:
     prefetch(r) -> h2d(r) -> compute(r, fw) -> free(r)            weights, forward
     compute(i, fw) -> offload(i) -> offload_wait(i)                 boundary output to host
     restore(i) -> reload(i) -> compute(first bw consumer of i)     ... and back in backward
-    prefetch(r) -> h2d(r) -> compute(r, bw) -> free(r)            weights again (recompute+bw)
+    prefetch(r) -> h2d(r) -> compute(r, bw) -> free(r)            weights again (recompute+bw;
+                                                                   those its backward reads)
     compute(o, bw) -> d2h(o) -> grad_wait(o); d2h(o) -> host_acc / host_step(o)
     host_step(o, step s) -> h2d(r, fw, step s+1) for every r reading o's weights
+(a forward-only problem, `training=False`, has the first line alone)
 plus resource edges: the compute stream is one chain (the FX program order), the h2d and
 d2h streams are chains in issue order (CUDA streams are FIFO), the host worker is a chain
 in gradient-arrival order, and slot edges free(j-k) -> prefetch(j) bound the weight
@@ -49,7 +51,6 @@ import sympy
 from ..errors import MegatrainValueError, format_bytes
 from . import costs
 from .costs import Rates
-from .schedule import RegionUse, Transfer
 
 
 # --------------------------------------------------------------------------------------
@@ -65,10 +66,17 @@ class Weight:
     nbytes: int  # device bytes in the compute dtype: what one h2d moves
     numel: int = 0  # parameters: the host optimizer's work
     grad_nbytes: int | None = None  # device gradient bytes (default: nbytes)
+    # The device gradient is held until its owner's grad_wait (a buffer the planner counts);
+    # False: each gradient leaves as it is produced and the regions' work_bw counts it.
+    grad_held: bool = True
 
     @property
     def grad_bytes(self) -> int:
         return self.nbytes if self.grad_nbytes is None else self.grad_nbytes
+
+    @property
+    def grad_buffer_bytes(self) -> int:
+        return self.grad_bytes if self.grad_held else 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,14 @@ class RegionSpec:
     work_bw: object = 0  # transient device bytes while its recompute + backward runs
     flops_fw: object = 0
     flops_bw: object = None  # backward FLOPs without the recompute; default 2 * flops_fw
+    # Weights its recompute + backward reads; None: `weights`. An embedding lookup's backward
+    # needs no weight; a recompute the partitioner hoisted into this region's backward span
+    # reads another region's. Gradients come from the regions whose forward reads a weight.
+    bw_weights: tuple[int, ...] | None = None
+
+    def reads(self, phase: str) -> tuple[int, ...]:
+        """Weights fetched for this region's forward ("fw") or recompute + backward ("bw")."""
+        return self.weights if phase == "fw" or self.bw_weights is None else self.bw_weights
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,8 @@ class Problem:
 
     backward_order: the order of the backward graph; default the reverse forward order.
     base_bytes: device bytes live through the whole step (inputs, loss, workspace).
+    training: False for a forward-only step (inference): no backward, no gradients, and
+        boundary outputs die after their last forward reader.
     """
 
     regions: tuple[RegionSpec, ...]
@@ -98,6 +116,7 @@ class Problem:
     backward_order: tuple[int, ...] | None = None
     base_bytes: object = 0
     micro_batches: int = 1
+    training: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "regions", tuple(self.regions))
@@ -120,6 +139,10 @@ class Problem:
                                    at(out_bytes, i), at(work_fw, i), at(work_bw, i), at(flops, i))
                         for i in range(n))
         return cls(regions, weights, None, base_bytes, micro_batches)
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return ("fw", "bw") if self.training else ("fw",)
 
     @property
     def free_symbols(self) -> set:
@@ -185,11 +208,12 @@ def _check_problem(p: Problem) -> None:
             raise MegatrainValueError(
                 f"region {r.id} reads regions {bad} that do not come before it: list regions "
                 f"in forward (topological) order")
-        missing = [w for w in r.weights if w not in set(wids)]
-        if missing:
-            raise MegatrainValueError(f"region {r.id} uses unknown weights {missing}")
-        if len(set(r.weights)) != len(r.weights):
-            raise MegatrainValueError(f"region {r.id} lists a weight twice: {r.weights}")
+        for ws in (r.weights, r.bw_weights or ()):
+            missing = [w for w in ws if w not in set(wids)]
+            if missing:
+                raise MegatrainValueError(f"region {r.id} uses unknown weights {missing}")
+            if len(set(ws)) != len(ws):
+                raise MegatrainValueError(f"region {r.id} lists a weight twice: {ws}")
         for name in ("out_bytes", "work_fw", "work_bw", "flops_fw", "flops_bw"):
             v = getattr(r, name)
             if isinstance(v, (int, float)) and v < 0:
@@ -229,13 +253,17 @@ class _Shape:
         self.last_fw_consumer = {i: max(c, key=pf.__getitem__) for i, c in cons.items() if c}
         self.first_bw_consumer = {i: min(c, key=pb.__getitem__) for i, c in cons.items() if c}
         self.last_bw_consumer = {i: max(c, key=pb.__getitem__) for i, c in cons.items() if c}
-        self.wbytes = {r.id: sum(self.weight[w].nbytes for w in r.weights) for r in p.regions}
+        self.phases = p.phases
+        self.reads = {ph: {r.id: r.reads(ph) for r in p.regions} for ph in ("fw", "bw")}
+        self.wbytes = {ph: {r: sum(self.weight[w].nbytes for w in ws) for r, ws in self.reads[ph].items()}
+                       for ph in ("fw", "bw")}
         users: dict[int, list[int]] = {w.id: [] for w in p.weights}
         for r in p.regions:
             for w in r.weights:
                 users[w].append(r.id)
         self.users = {w: tuple(u) for w, u in users.items() if u}
-        self.owner = {w: max(u, key=pb.__getitem__) for w, u in self.users.items()}
+        # Gradients (and the host steps they feed) exist only in a training step.
+        self.owner = {w: max(u, key=pb.__getitem__) for w, u in self.users.items()} if p.training else {}
         self.first_producer = {w: min(u, key=pb.__getitem__) for w, u in self.users.items()}
         owned: dict[int, list[int]] = {}
         for w in sorted(self.owner):
@@ -246,7 +274,7 @@ class _Shape:
         # its last backward consumer, so those produced early and read late cost the most.
         self.offloadable = tuple(sorted(
             self.first_bw_consumer,
-            key=lambda i: (-(n - pf[i] + pb[self.last_bw_consumer[i]]), i)))
+            key=lambda i: (-(n - pf[i] + pb[self.last_bw_consumer[i]]), i))) if p.training else ()
 
 
 # --------------------------------------------------------------------------------------
@@ -343,14 +371,14 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
     R = sh.region
     offl = cfg.offloaded
     L = cfg.release_lag
-    for ph in ("fw", "bw"):
+    for ph in sh.phases:
         order = sh.fw if ph == "fw" else sh.bw
         pos = sh.pos[ph]
         n = len(order)
         frees: list[list] = [[] for _ in range(n + 1)]
         waits: list[list] = [[] for _ in range(n + 1)]
         issues: list[list] = [[] for _ in range(n + 1)]
-        wr = [r for r in order if R[r].weights]
+        wr = [r for r in order if sh.reads[ph][r]]
         k = cfg.slots
         for j, r in enumerate(wr):
             p = pos[r]
@@ -362,7 +390,7 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
             issues[g].append(((p, 0, r), pf))
             frees[p + 1].append(((p, r), fr))
             prog.slot_of[pf] = j % k
-            prog.buffers.append(Buffer(("weights", r, ph, m, s), sh.wbytes[r], pf, fr))
+            prog.buffers.append(Buffer(("weights", r, ph, m, s), sh.wbytes[ph][r], pf, fr))
             if j >= k and not memory_only:
                 prog.slot.append((Task("free", wr[j - k], ph, m, s), pf))
         if ph == "fw":
@@ -391,12 +419,12 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
     # Activation-side and gradient buffers span both passes of this micro-batch.
     for r in sh.fw:
         prog.buffers.extend(_output_buffers(sh, r, r in offl, m, s))
-        if r in sh.first_bw_consumer:
+        if r in sh.first_bw_consumer and sh.problem.training:
             prog.buffers.append(Buffer(("actgrad", r, m, s), R[r].out_bytes,
                                        Task("compute", sh.first_bw_consumer[r], "bw", m, s),
                                        Task("compute", r, "bw", m, s)))
     for w, o in sh.owner.items():
-        prog.buffers.append(Buffer(("grad", w, m, s), sh.weight[w].grad_bytes,
+        prog.buffers.append(Buffer(("grad", w, m, s), sh.weight[w].grad_buffer_bytes,
                                    Task("compute", sh.first_producer[w], "bw", m, s),
                                    Task("grad_wait", o, "bw", m, s)))
 
@@ -406,6 +434,9 @@ def _output_buffers(sh: _Shape, r: int, offloaded: bool, m: int, s: int) -> list
     copy until offload_wait) and reloaded (from restore to its last backward reader)."""
     size = sh.region[r].out_bytes
     c_fw = Task("compute", r, "fw", m, s)
+    if not sh.problem.training:  # read by later forwards, or returned: to the pass's end
+        reader = sh.last_fw_consumer.get(r, sh.fw[-1])
+        return [Buffer(("act", r, m, s), size, c_fw, Task("compute", reader, "fw", m, s))]
     if offloaded:
         last = Task("compute", sh.last_bw_consumer[r], "bw", m, s)
         return [Buffer(("act", r, m, s), size, c_fw, Task("offload_wait", r, "fw", m, s)),
@@ -476,7 +507,7 @@ def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int) -> None:
             data.append((t, h))
             data.append((h, Task("compute", sh.first_bw_consumer[t.region], "bw", t.micro, t.step)))
         elif kind == "compute":
-            if sh.region[t.region].weights:
+            if sh.reads[t.phase][t.region]:
                 data.append((t, Task("free", t.region, t.phase, t.micro, t.step)))
             if t.phase == "fw":
                 wait = Task("offload_wait", t.region, "fw", t.micro, t.step)
@@ -599,9 +630,9 @@ def largest_fitting(expr, symbol, budget: int, dims: Mapping | None = None, hi: 
 
 def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
     """Seconds per (kind, region, phase), from the cost model; zero for compute-stream ops."""
-    any_weights = any(r.weights for r in sh.problem.regions)
-    link = {"fw": costs.link_rates(rates, any_weights, bool(cfg.offloaded)),
-            "bw": costs.link_rates(rates, any_weights or bool(cfg.offloaded), bool(sh.owned))}
+    link = {"fw": costs.link_rates(rates, any(sh.wbytes["fw"].values()), bool(cfg.offloaded)),
+            "bw": costs.link_rates(rates, any(sh.wbytes["bw"].values()) or bool(cfg.offloaded),
+                                   bool(sh.owned))}
     out = {}
     for r in sh.problem.regions:
         f = r.flops_fw
@@ -609,7 +640,7 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
         out[("compute", r.id, "fw")] = costs.compute_seconds(f, rates)
         out[("compute", r.id, "bw")] = costs.compute_seconds(f + b, rates)
         for ph in ("fw", "bw"):
-            out[("h2d", r.id, ph)] = costs.copy_seconds(sh.wbytes[r.id], link[ph].h2d)
+            out[("h2d", r.id, ph)] = costs.copy_seconds(sh.wbytes[ph][r.id], link[ph].h2d)
         out[("offload", r.id, "fw")] = costs.copy_seconds(r.out_bytes, link["fw"].d2h)
         out[("reload", r.id, "bw")] = costs.copy_seconds(r.out_bytes, link["bw"].h2d)
     for o, ws in sh.owned.items():
@@ -765,12 +796,17 @@ class InfeasibleBudget(MegatrainValueError):
 class PlannerOptions:
     """The search space. The leanest point (1 slot issued just in time, reload lead 0,
     release lag 0, every boundary output offloaded) is always included, so the planner
-    fails only when no schedule of this model fits."""
+    fails only when no schedule of this model fits.
+
+    offload: whether boundary outputs may go to host memory between the passes (False
+    while the runtime has no activation offload: every output stays on the device).
+    """
 
     max_slots: int = 3
     reload_leads: tuple[int, ...] = (0, 1, 2)
     release_lags: tuple[int, ...] = (0, 1)
     steps: int = 2
+    offload: bool = True
 
 
 @dataclass
@@ -779,6 +815,8 @@ class Plan:
     budget: int
     simulated: int  # schedules simulated to choose this one
     symbolic: Problem | None = None  # the problem before substitution, if it had symbols
+    candidates: tuple[PlanConfig, ...] = ()  # every configuration that fit the budget
+    dims: dict = field(default_factory=dict)  # the symbolic dims' values planned for
 
     @property
     def config(self) -> PlanConfig:
@@ -823,7 +861,7 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
     sh = _Shape(concrete)
     n_weight_regions = sum(1 for r in concrete.regions if r.weights)
     modes = [(1, 0)] + [(k, None) for k in range(1, max(1, min(options.max_slots, n_weight_regions)) + 1)]
-    offl = sh.offloadable
+    offl = sh.offloadable if options.offload else ()
     leads = sorted(set(options.reload_leads) | {0}) if offl else [0]
     lags = sorted(set(options.release_lags) | {0}) if (offl or sh.owned) else [0]
     fits: list[PlanConfig] = []
@@ -858,8 +896,8 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
         p, at, cfg = leanest
         where = f" (during the {'forward' if at.phase == 'fw' else 'backward'} of region {at.region})" if at else ""
         raise InfeasibleBudget(
-            f"gpu_memory={budget} bytes ({format_bytes(budget)}) is too small for this step: the "
-            f"leanest schedule ({cfg.describe()}) still peaks at {p} bytes ({format_bytes(p)})"
+            f"gpu_memory={budget} bytes ({format_bytes(budget)}) is too small: the leanest "
+            f"schedule of this step ({cfg.describe()}) still peaks at {p} bytes ({format_bytes(p)})"
             f"{where}; give gpu_memory >= {p} bytes or use a smaller batch/sequence", int(p))
     best = None
     for i, cfg in enumerate(fits):
@@ -867,7 +905,7 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
         key = (sched.step_time, sched.peak_bytes, i)
         if best is None or key < best[0]:
             best = (key, sched)
-    return Plan(best[1], budget, len(fits), symbolic)
+    return Plan(best[1], budget, len(fits), symbolic, tuple(fits), _env(dims, problem.free_symbols))
 
 
 # --------------------------------------------------------------------------------------
@@ -877,12 +915,31 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
 WEIGHT_KINDS = ("prefetch", "wait", "evict")
 
 
+@dataclass(frozen=True)
+class RegionUse:
+    """Where a region runs in one FX graph: node positions of its first and last node."""
+
+    region: int
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One compute-stream op of the schedule, anchored to a node position of an FX graph."""
+
+    kind: str  # "prefetch" | "wait" | "evict" (and, in GraphEvents.*_all, the others)
+    region: int
+    anchor: int  # node position; -1 means "at graph start"
+    after: bool  # insert after the anchor (True) or before it (False)
+
+
 @dataclass
 class GraphEvents:
     """Events of one forward and one backward graph, in program order.
 
-    Weight events use prefetch_schedule's vocabulary (prefetch / wait / evict), so
-    `forward` and `backward` can replace its output as they are. `*_all` add:
+    `forward` and `backward` hold the weight events (prefetch / wait / evict) that
+    `passes.insert_transfers` materialises as FX nodes. `*_all` add:
     offload (start D2H of region i's boundary output), offload_wait (wait for it, drop the
     device copy), reload (start its H2D in backward), reload_wait (before its first
     backward use), grad_wait (wait for region o's gradients' D2H, free them on the device).
@@ -906,11 +963,12 @@ def graph_events(schedule: Schedule, forward_uses: list[RegionUse], backward_use
 
     An op between compute(a) and compute(b) goes after region a's last use (after=True,
     in order), or at graph start (anchor -1) before the first compute; waits go before the
-    consuming region's first use. `uses` must cover every region that has an op after it.
+    consuming region's first use. A region without a RegionUse has no nodes in that graph
+    (e.g. no backward at all): ops after it go where ops after its predecessor went.
     """
     sh = _Shape(schedule.problem)
-    out = {}
-    for ph, uses in (("fw", forward_uses), ("bw", backward_uses)):
+    out = {"fw": [], "bw": []}
+    for ph, uses in zip(sh.phases, (forward_uses, backward_uses)):
         by_region = {u.region: u for u in uses}
         order = sh.fw if ph == "fw" else sh.bw
         seen = [u.region for u in sorted(uses, key=lambda u: u.first) if u.region in sh.pos[ph]]
@@ -923,31 +981,25 @@ def graph_events(schedule: Schedule, forward_uses: list[RegionUse], backward_use
             for i in schedule.config.offloaded:
                 reload_first.setdefault(sh.first_bw_consumer[i], []).append(i)
         events: list[Transfer] = []
-        anchor: tuple[int, bool] | None = (-1, True)
-        prev = None
+        anchor: tuple[int, bool] = (-1, True)
         for t in schedule.streams["compute"]:
             if t.phase != ph or t.step != step or t.micro != micro:
                 continue
             if t.kind == "compute":
                 r = t.region
-                if sh.region[r].weights or r in reload_first:
+                if sh.reads[ph][r] or r in reload_first or (ph == "fw" and r in schedule.config.offloaded):
                     if r not in by_region:
                         raise ValueError(f"region {r} has transfers but no RegionUse in the {ph} graph")
                     first = by_region[r].first
                     for i in sorted(reload_first.get(r, ())):
                         events.append(Transfer("reload_wait", i, first, False))
-                    if sh.region[r].weights:
+                    if sh.reads[ph][r]:
                         events.append(Transfer("wait", r, first, False))
-                prev = r
-                anchor = (by_region[r].last, True) if r in by_region else None
+                if r in by_region:
+                    anchor = (by_region[r].last, True)
                 if ph == "fw" and r in schedule.config.offloaded:
-                    if anchor is None:
-                        raise ValueError(f"region {r} is offloaded but has no RegionUse in the fw graph")
                     events.append(Transfer("offload", r, *anchor))
                 continue
-            if anchor is None:
-                raise ValueError(f"{t.kind} of region {t.region} follows region {prev}, which has no "
-                                 f"RegionUse in the {ph} graph: give a RegionUse for every region")
             kind = {"prefetch": "prefetch", "free": "evict", "restore": "reload",
                     "offload_wait": "offload_wait", "grad_wait": "grad_wait"}[t.kind]
             events.append(Transfer(kind, t.region, *anchor))

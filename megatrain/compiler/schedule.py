@@ -1,61 +1,59 @@
-"""When each region's weights move: a simple prefetch-k-ahead schedule.
+"""The transfer schedule of one compiled graph pair: the planner's, validated.
 
-Input: for one graph (forward or backward), each region's first and last use, in node order.
-Output: a list of `Transfer` events anchored to positions in that order. At most `slots`
-regions are resident (prefetched and not yet evicted); a region is prefetched as soon as a
-slot frees, in first-use order. If a region's first use comes while every slot is taken
-(regions used in interleaved spans), it is fetched late, right before its use, and the
-plan records the overshoot, so the memory model stays truthful.
+    forward/backward FX graphs --problem.build_problem--> planner Problem, and where each
+    region runs in each graph --planner.plan_step--> the fastest predicted schedule whose
+    peak fits gpu_memory (prefetch depth up to the `prefetch` option) --validate--> checked
+    by the independent validator --graph_events--> per-graph Transfer lists, which
+    passes.insert_transfers materialises as FX nodes in exactly that order.
+
+There is no other schedule: a budget that no depth fits raises the planner's error naming
+the minimum budget; a budget that fits only a shallower depth than asked warns and uses it.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+import torch
+import torch.fx as fx
 
-@dataclass(frozen=True)
-class RegionUse:
-    region: int
-    first: int  # position of the first node that uses the region's weights
-    last: int  # position of the last such node
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Transfer:
-    kind: str  # "prefetch" | "wait" | "evict"
-    region: int
-    anchor: int  # node position; prefetch at -1 means "at graph start"
-    after: bool  # insert after the anchor (True) or before it (False)
+from ..errors import format_bytes
+from .costs import Rates
+from .planner import Plan, PlannerOptions, Transfer, graph_events, plan_step
+from .problem import build_problem
+from .rates import compile_rates
+from .validate import validate
 
 
-def prefetch_schedule(uses: list[RegionUse], slots: int) -> list[Transfer]:
-    if slots < 1:
-        raise ValueError(f"slots={slots}: need at least one device slot")
-    order = sorted(uses, key=lambda u: u.first)
-    events: list[Transfer] = []
-    issued = 0
-    resident = 0
+@dataclass
+class StepSchedule:
+    plan: Plan  # the planner's choice: config, simulated schedule, peak, step time
+    rates: Rates
+    units: dict[int, tuple[int, ...]]  # planner region -> graph regions it streams together
+    forward: list[Transfer]
+    backward: list[Transfer]
+    forward_fetches: dict[str, int]  # fetch node name -> the planner region it streams with
+    backward_fetches: dict[str, int]
 
-    def issue(anchor: int, after: bool) -> None:
-        nonlocal issued, resident
-        events.append(Transfer("prefetch", order[issued].region, anchor, after))
-        issued += 1
-        resident += 1
+    @property
+    def slots(self) -> int:
+        return self.plan.config.slots
 
-    while issued < len(order) and resident < slots:
-        issue(-1, True)
-    timeline = sorted([(u.first, 0, u) for u in order] + [(u.last, 1, u) for u in order],
-                      key=lambda t: (t[0], t[1]))
-    index = {u.region: i for i, u in enumerate(order)}
-    for pos, is_evict, use in timeline:
-        if not is_evict:
-            while issued <= index[use.region]:
-                issue(pos, False)  # late: every slot was taken
-            events.append(Transfer("wait", use.region, pos, False))
-        else:
-            events.append(Transfer("evict", use.region, pos, True))
-            resident -= 1
-            while issued < len(order) and resident < slots:
-                issue(pos, True)
-    return events
+
+def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
+                  device: torch.device, dtype: torch.dtype, budget: int, prefetch: int) -> StepSchedule:
+    """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes."""
+    sp = build_problem(fw, bw, params, device, dtype)
+    rates = compile_rates(device)
+    # The runtime has no activation offload yet: every boundary output stays on the device.
+    plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
+                     options=PlannerOptions(max_slots=prefetch + 1, offload=False))
+    validate(plan.schedule, budget)
+    events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
+    wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))
+    if plan.config.slots < wanted and not any(c.slots >= wanted for c in plan.candidates):
+        warnings.warn(f"megatrain: prefetch={prefetch} does not fit gpu_memory={format_bytes(budget)}; "
+                      f"using prefetch={plan.config.slots - 1}", stacklevel=3)
+    return StepSchedule(plan, rates, sp.units, events.forward, events.backward, sp.forward_fetches,
+                        sp.backward_fetches)

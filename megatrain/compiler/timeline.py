@@ -3,7 +3,12 @@
 One process per trace, one track (tid) per stream, a complete event (ph "X") per task with
 microsecond times, so overlap and stalls show at a glance in ui.perfetto.dev or
 chrome://tracing. Predicted and measured traces use the same track names and order, so
-the two files read side by side.
+they read side by side, as two files or as two processes of one (`merge`).
+
+Measured records are (name, stream, start_ms, end_ms) intervals. `cuda_records` reads
+them off the streamer's last step: the CUDA event pairs it records per region (`MEASURED`
+names which lists, and on which stream); a list of event pairs the runtime adds later (per
+region compute, gradient copies) appears in the timeline once named there.
 """
 
 from __future__ import annotations
@@ -26,6 +31,25 @@ class Record:
     end_ms: float
 
 
+# StepStats attribute -> (stream, slice name): lists of (region, start event, end event).
+MEASURED = {"transfers": ("h2d", "h2d r{}"), "waits": ("compute", "wait for weights r{}")}
+
+
+def cuda_records(stats) -> list[Record]:
+    """The measured intervals of a step from its CUDA event pairs, in ms from the earliest
+    (blocks until they have completed); [] when none were recorded (the CPU device)."""
+    pairs = [(stream, name.format(region), a, b) for attr, (stream, name) in MEASURED.items()
+             for region, a, b in (getattr(stats, attr, None) or ())]
+    if not pairs:
+        return []
+    for *_, end in pairs:
+        end.synchronize()
+    origin = pairs[0][2]
+    times = [(name, stream, origin.elapsed_time(a), origin.elapsed_time(b)) for stream, name, a, b in pairs]
+    zero = min(t[2] for t in times)
+    return [Record(name, stream, a - zero, b - zero) for name, stream, a, b in times]
+
+
 def _tids(streams: Iterable[str]) -> dict[str, int]:
     known = [s for s in STREAMS]
     extra = sorted(set(streams) - set(known))
@@ -46,12 +70,12 @@ def _task_name(t) -> str:
     return f"{t.kind} {where} m{t.micro} s{t.step}"
 
 
-def chrome_trace(schedule: Schedule, pid: int = 1) -> dict:
+def chrome_trace(schedule: Schedule, pid: int = 1, process: str = "megatrain predicted") -> dict:
     """The predicted timeline: every task of every stream, zero-length ops included."""
     used = [s for s, seq in schedule.streams.items() if seq]
     tids = _tids(used)
     tids = {s: tids[s] for s in used}
-    events = _metadata(pid, "megatrain predicted", tids)
+    events = _metadata(pid, process, tids)
     for stream in used:
         for t in schedule.streams[stream]:
             t0, t1 = schedule.start[t], schedule.end[t]
@@ -64,7 +88,7 @@ def chrome_trace(schedule: Schedule, pid: int = 1) -> dict:
                           "peak_bytes": schedule.peak_bytes, "config": schedule.config.describe()}}
 
 
-def measured_trace(records: Iterable, pid: int = 2) -> dict:
+def measured_trace(records: Iterable, pid: int = 2, process: str = "megatrain measured") -> dict:
     """The measured timeline from (name, stream, start_ms, end_ms) records."""
     recs = [r if isinstance(r, Record) else Record(*r) for r in records]
     for r in recs:
@@ -74,11 +98,18 @@ def measured_trace(records: Iterable, pid: int = 2) -> dict:
     tids = _tids(r.stream for r in recs)
     used = {r.stream for r in recs}
     tids = {s: t for s, t in tids.items() if s in used}
-    events = _metadata(pid, "megatrain measured", tids)
+    events = _metadata(pid, process, tids)
     for r in recs:
         events.append({"name": r.name, "cat": r.stream, "ph": "X", "pid": pid, "tid": tids[r.stream],
                        "ts": r.start_ms * 1e3, "dur": (r.end_ms - r.start_ms) * 1e3})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def merge(traces: Iterable[dict]) -> dict:
+    """One trace holding several (each with its own pid): predicted beside measured."""
+    traces = list(traces)
+    return {"traceEvents": [e for t in traces for e in t["traceEvents"]], "displayTimeUnit": "ms",
+            "otherData": {str(i): t.get("otherData", {}) for i, t in enumerate(traces)}}
 
 
 def _write(trace: dict, path) -> str:
@@ -96,3 +127,8 @@ def write_chrome_trace(schedule: Schedule, path) -> str:
 def write_measured_trace(records: Iterable, path) -> str:
     """Write measured (name, stream, start_ms, end_ms) records to `path` (JSON)."""
     return _write(measured_trace(records), path)
+
+
+def write_trace(trace: dict, path) -> str:
+    """Write any trace built here (e.g. a `merge`) to `path` (JSON); returns the path."""
+    return _write(trace, path)

@@ -5,8 +5,8 @@ reads, which outputs it consumes, which regions produce a weight's gradient) and
 `Schedule`'s sequences, buffers and timeline against that, sharing no code with the
 planner beyond the data classes. Invariants:
 
-- every compute runs after its weights' h2d completed, between its prefetch and its
-  evict, with its inputs resident (kept, or reloaded after their offload);
+- every compute runs after the h2d of the weights its pass reads completed, between
+  their prefetch and evict, with its inputs resident (kept, or reloaded after their offload);
 - no weight slot holds two regions at once, and at most `config.slots` slots exist;
 - every buffer lives over a span of the compute stream; the peak walked from them equals
   the schedule's claim and fits the budget;
@@ -15,6 +15,7 @@ planner beyond the data classes. Invariants:
 - every host step runs once per step, at the last micro-batch, after all of its weights'
   gradients (and accumulations) arrived; the next step's h2d of a region waits for it;
 - the timeline respects the graph (no task before its predecessors; streams never overlap).
+A forward-only problem (`training=False`) has no backward, gradients or host steps.
 """
 
 from __future__ import annotations
@@ -41,12 +42,17 @@ class _Facts:
         self.bw = list(p.backward_order) if p.backward_order else self.fw[::-1]
         self.spec = {r.id: r for r in p.regions}
         self.wsize = {w.id: w for w in p.weights}
-        self.region_bytes = {r.id: sum(self.wsize[w].nbytes for w in r.weights) for r in p.regions}
+        # Weights fetched per pass (bw_weights: the backward may read others).
+        self.fetched = {"fw": {r.id: r.weights for r in p.regions},
+                        "bw": {r.id: r.weights if r.bw_weights is None else r.bw_weights for r in p.regions}}
+        self.region_bytes = {ph: {r: sum(self.wsize[w].nbytes for w in ws) for r, ws in by.items()}
+                             for ph, by in self.fetched.items()}
         self.consumers = {r: [] for r in self.fw}
         for r in p.regions:
             for i in set(r.inputs):
                 self.consumers[i].append(r.id)
-        self.producers = {w.id: [r.id for r in p.regions if w.id in r.weights] for w in p.weights}
+        self.producers = {w.id: [r.id for r in p.regions if w.id in r.weights] for w in p.weights} \
+            if p.training else {}
         self.bwpos = {r: i for i, r in enumerate(self.bw)}
         self.fwpos = {r: i for i, r in enumerate(self.fw)}
 
@@ -61,15 +67,15 @@ def min_budget(problem: Problem) -> int:
     worst = 0
     for x in f.fw:  # forward of x
         q = f.fwpos[x]
-        live = p.base_bytes + f.region_bytes[x] + f.spec[x].work_fw
+        live = p.base_bytes + f.region_bytes["fw"][x] + f.spec[x].work_fw
         for i in f.fw[:q + 1]:
             cons = f.consumers[i]
             if not cons or max(f.fwpos[c] for c in cons) >= q:
                 live += f.spec[i].out_bytes  # still read ahead, or a loss output kept to bw
         worst = max(worst, live)
-    for x in f.bw:  # recompute + backward of x
+    for x in (f.bw if p.training else ()):  # recompute + backward of x
         q = f.bwpos[x]
-        live = p.base_bytes + f.region_bytes[x] + f.spec[x].work_bw
+        live = p.base_bytes + f.region_bytes["bw"][x] + f.spec[x].work_bw
         for i in f.fw:
             cons = f.consumers[i]
             size = f.spec[i].out_bytes
@@ -85,7 +91,7 @@ def min_budget(problem: Problem) -> int:
                 live += size  # its gradient, accumulating until i's backward
         for w, prods in f.producers.items():
             if prods and min(f.bwpos[r] for r in prods) <= q <= max(f.bwpos[r] for r in prods):
-                live += f.wsize[w].grad_bytes
+                live += f.wsize[w].grad_buffer_bytes
         worst = max(worst, live)
     return int(worst)
 
@@ -113,7 +119,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
     # -- the compute program: each pass's computes in the problem's order --------------
     computes = [t for t in seq if t.kind == "compute"]
     want = [(r, ph, m, st) for st in range(s.steps) for m in range(M)
-            for ph, order in (("fw", f.fw), ("bw", f.bw)) for r in order]
+            for ph, order in (("fw", f.fw), ("bw", f.bw)) if ph in s.problem.phases for r in order]
     if [(t.region, t.phase, t.micro, t.step) for t in computes] != want:
         out.append("compute stream does not run every pass's regions in the problem's order")
         return out
@@ -138,7 +144,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         r, ph, m, st = c.region, c.phase, c.micro, c.step
         spec = f.spec[r]
         # weights
-        if spec.weights:
+        if f.fetched[ph][r]:
             wkey = ("weights", r, ph, m, st)
             h, pf, ev = get("h2d", r, ph, m, st), get("prefetch", r, ph, m, st), get("free", r, ph, m, st)
             if h is None or pf is None or ev is None:
@@ -151,7 +157,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
                 if not pos[pf] < pos[c] < pos[ev]:
                     out.append(f"{c} is not between its weights' prefetch and evict")
                 b = buffers.get(wkey)
-                if b is None or b.nbytes != f.region_bytes[r] or b.alloc != pf or b.free != ev:
+                if b is None or b.nbytes != f.region_bytes[ph][r] or b.alloc != pf or b.free != ev:
                     out.append(f"{c}: weight buffer missing, mis-sized or not spanning prefetch..evict")
         # working set and output
         work = spec.work_fw if ph == "fw" else spec.work_bw

@@ -175,6 +175,16 @@ def test_varying_sequence_length_recompiles_once():
         loss_ref.backward()
         assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < 1e-5
     assert counters["stats"]["unique_graphs"] - graphs_before == 2
+    # The reused graph's plan is symbolic: its sizes are sympy expressions in dynamo's
+    # symbols, proven at the sizes it was compiled for and growing with them.
+    import megatrain
+
+    plan = megatrain.explain(step).graphs[-1].schedule.plan
+    assert plan.symbolic is not None and plan.dims
+    expr = plan.peak_expression()
+    assert expr.free_symbols and expr.free_symbols <= set(plan.dims)
+    assert int(expr.subs(plan.dims)) == plan.peak_bytes
+    assert int(expr.subs({s: 2 * v for s, v in plan.dims.items()})) > plan.peak_bytes
 
 
 def test_dropout_backward_uses_the_forward_mask():

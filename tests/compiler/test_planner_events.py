@@ -1,6 +1,7 @@
-"""The planner's event lists drive the existing FX pass: `insert_transfers` materialises
-exactly the planned order (prefetch_schedule swapped for the plan), and the graph still
-computes what the unscheduled graph computes."""
+"""The planner's event lists drive the FX pass: `insert_transfers` materialises exactly the
+planned order, and the graph still computes what the unscheduled graph computes. For the
+default case (prefetch=1, a roomy budget) the plan is the simple prefetch-k-ahead schedule
+the backend used before the planner."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from torch._subclasses import FakeTensorMode
 import megatrain  # noqa: F401  (registers the ops)
 from megatrain.compiler import ops, passes
 from megatrain.compiler.costs import H200
-from megatrain.compiler.planner import PlanConfig, Problem, graph_events, plan_step, simulate
-from megatrain.compiler.schedule import RegionUse
+from megatrain.compiler.planner import (PlanConfig, Problem, RegionUse, Transfer, graph_events, plan_step,
+                                        simulate)
+from megatrain.compiler.problem import build_problem
+from megatrain.compiler.schedule import schedule_step
 from megatrain.compiler.validate import min_budget
 from megatrain.runtime import streamer as streamer_mod
 
@@ -50,32 +53,31 @@ def _graph(sid: int, order: list[int]) -> fx.GraphModule:
 
 
 def _uses(gm: fx.GraphModule) -> list[RegionUse]:
-    """First and last node of each region, as insert_transfers computes them."""
+    """First fetch and last weight reader of each region (the old schedule's spans)."""
     nodes = list(gm.graph.nodes)
     out = []
     for i, n in enumerate(nodes):
         if n.target is ops.FETCH:
             r = n.args[2]
             readers = [nodes.index(u) for u in n.users] + [nodes.index(v) for u in n.users for v in u.users]
-            out.append(RegionUse(r, i, max(readers), HIDDEN * HIDDEN * 4))
+            out.append(RegionUse(r, i, max(readers)))
     return out
 
 
 @pytest.mark.parametrize("budget_regions", [1, 2, 3, 9])
-def test_insert_transfers_materialises_the_planned_order(monkeypatch, budget_regions):
+def test_insert_transfers_materialises_the_planned_order(budget_regions):
     n = 6
     sid = _streamer()
     fw = _graph(sid, list(range(n)))
     bw = _graph(sid, list(reversed(range(n))))
     fw_uses, bw_uses = _uses(fw), _uses(bw)
-    problem = Problem.chain([u.nbytes for u in fw_uses], out_bytes=4 * HIDDEN * 4, flops=10**6)
+    problem = Problem.chain([HIDDEN * HIDDEN * 4] * n, out_bytes=4 * HIDDEN * 4, flops=10**6)
     budget = min_budget(problem) + (budget_regions - 1) * HIDDEN * HIDDEN * 4
     plan = plan_step(problem, budget, H200)
     events = plan.events(fw_uses, bw_uses)
     planned = {"forward": events.forward, "backward": events.backward}
     for kind, gm in (("forward", fw), ("backward", bw)):
-        monkeypatch.setattr(passes, "prefetch_schedule", lambda uses, slots, kind=kind: planned[kind])
-        sched = passes.insert_transfers(gm, kind, sid, plan.config.slots, torch.device("cpu"), torch.float32)
+        sched = passes.insert_transfers(gm, kind, sid, planned[kind], None, torch.device("cpu"), torch.float32)
         assert sched.prefetch_count == n
         # The graph holds the planned ops in the planned order.
         got = [(nd.target, nd.args[3] if nd.target is ops.PREFETCH else nd.args[2] if nd.target is ops.WAIT
@@ -104,7 +106,7 @@ def test_activation_events_anchor_to_their_regions():
     n = 5
     sid = _streamer()
     fw_uses, bw_uses = _uses(_graph(sid, list(range(n)))), _uses(_graph(sid, list(reversed(range(n)))))
-    problem = Problem.chain([u.nbytes for u in fw_uses], out_bytes=1000, flops=10**6, micro_batches=2)
+    problem = Problem.chain([HIDDEN * HIDDEN * 4] * n, out_bytes=1000, flops=10**6, micro_batches=2)
     cfg = PlanConfig(slots=2, weight_lead=None, reload_lead=1, release_lag=0, offloaded=frozenset({0, 2}))
     ev = graph_events(simulate(problem, cfg, H200), fw_uses, bw_uses)
     fw = {(e.kind, e.region): e for e in ev.forward_all}
@@ -123,3 +125,38 @@ def test_activation_events_anchor_to_their_regions():
     assert all(e.kind in ("prefetch", "wait", "evict") for e in ev.forward + ev.backward)
     with pytest.raises(ValueError, match="order"):
         graph_events(simulate(problem, cfg, H200), bw_uses, fw_uses)
+
+
+def _prefetch_k_ahead(uses: list[RegionUse], slots: int) -> list[Transfer]:
+    """The schedule the backend used before the planner (schedule.prefetch_schedule): the
+    first `slots` regions at graph start, each next one right after an evict frees a slot."""
+    order = sorted(uses, key=lambda u: u.first)
+    events, issued, resident = [], 0, 0
+    while issued < len(order) and resident < slots:
+        events.append(Transfer("prefetch", order[issued].region, -1, True))
+        issued, resident = issued + 1, resident + 1
+    for u in order:
+        events.append(Transfer("wait", u.region, u.first, False))
+        events.append(Transfer("evict", u.region, u.last, True))
+        resident -= 1
+        while issued < len(order) and resident < slots:
+            events.append(Transfer("prefetch", order[issued].region, u.last, True))
+            issued, resident = issued + 1, resident + 1
+    return events
+
+
+def test_default_plan_is_the_old_prefetch_k_ahead_schedule():
+    """prefetch=1 with room to spare: the planner picks 2 slots, each prefetch issued as soon
+    as a slot frees, which is exactly the old schedule over the same region spans, anchor for
+    anchor. (A span now ends at its region's last node, not at its last weight reader.)"""
+    n = 6
+    sid = _streamer()
+    fw, bw = _graph(sid, list(range(n))), _graph(sid, list(reversed(range(n))))
+    spans = build_problem(fw, bw, [], torch.device("cpu"), torch.float32)
+    sched = schedule_step(fw, bw, [], torch.device("cpu"), torch.float32, 1 << 30, prefetch=1)
+    assert (sched.plan.config.slots, sched.plan.config.weight_lead) == (2, None)
+    assert sched.forward == _prefetch_k_ahead(spans.forward_uses, 2)
+    assert sched.backward == _prefetch_k_ahead(spans.backward_uses, 2)
+    old_spans = _uses(fw)  # first fetch .. last weight reader: same order of ops
+    assert [(e.kind, e.region) for e in sched.forward] == \
+        [(e.kind, e.region) for e in _prefetch_k_ahead(old_spans, 2)]

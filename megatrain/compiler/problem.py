@@ -1,0 +1,447 @@
+"""The planner's `Problem`, read off the partitioned forward and backward FX graphs.
+
+    regions      every graph region with nodes (its tag, or the span an untagged node sits
+                 in); regions whose node spans interleave in either graph (a module called
+                 at two places) form one planner region, a *unit*, streamed together
+    weights      one per parameter, its padded flat bytes in the compute dtype (tied weights
+                 are shared by the units that fetch them; the backward fetches may be fewer)
+    out_bytes    the activations a unit saves for the backward (returned values live to the
+                 forward's end, in the working sets; their gradients from the backward's start)
+    work_fw/bw   peak transient bytes while a unit runs: a liveness walk of the graph
+                 without weights and saved outputs (planner buffers); a weight gradient
+                 counts until the hand-off after its own (the runtime frees finished
+                 copies there), so the planner holds no whole-region gradient buffer
+    flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
+    inputs       the activation DAG: unit A reads an output of unit B in the forward
+
+Sizes are sympy expressions in the graph's symbolic dims (dynamic shapes), `dims` their
+values now, so the planner proves the peak for the shapes being compiled and can say how
+it grows. Every estimate errs on the side of more bytes, never fewer.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from ..runtime.layout import ALIGN_ELEMENTS
+from . import ops
+from .partition import region_of
+from .planner import Problem, RegionSpec, RegionUse, Weight
+
+
+@dataclass
+class StepProblem:
+    problem: Problem
+    dims: dict  # {sympy symbol: its value for the shapes being compiled}
+    units: dict[int, tuple[int, ...]]  # planner region -> graph regions, in forward order
+    forward_uses: list[RegionUse]
+    backward_uses: list[RegionUse]
+    # Per graph, the planner region whose flat buffer each fetch (by node name) is part of.
+    forward_fetches: dict[str, int]
+    backward_fetches: dict[str, int]
+
+
+def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
+                  device: torch.device, dtype: torch.dtype) -> StepProblem:
+    """`bw=None` describes a forward-only (inference) graph."""
+    graphs = [_Graph(fw.graph)] + ([_Graph(bw.graph)] if bw is not None else [])
+    unit_of = _units(graphs)
+    for g in graphs:
+        g.own(unit_of)
+    sizes = _Sizes(device)
+    f = graphs[0]
+    fw_order = sorted(f.hull, key=lambda u: f.hull[u][0])
+    fw_order += sorted(set(unit_of.values()) - set(fw_order))
+    inputs = f.edges()
+    saved_names = {n.name for n in graphs[1].nodes if n.op == "placeholder"} if bw is not None else set()
+    saved = [n for n in f.outputs() if n.name in saved_names]
+    out_bytes = {u: sizes.total(n for n in saved if f.owner.get(n) == u) for u in fw_order}
+    base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
+                       + [n for n in saved if n not in f.owner])
+    work_fw = f.working_sets(sizes, exclude=set(saved), until={})
+    flops_fw = f.flops(sizes)
+    weights, fetched = _weights(graphs, params, dtype)
+    work_bw, flops_bw, bw_order, bw_fetched = {}, {}, None, {}
+    if bw is not None:
+        b = graphs[1]
+        bw_order = sorted(b.hull, key=lambda u: b.hull[u][0])
+        # Units without backward nodes compute nothing there: last, producers after consumers.
+        bw_order += [u for u in reversed(fw_order) if u not in b.hull]
+        pos = {u: i for i, u in enumerate(bw_order)}
+        tangents = [n for n in b.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=b.gradient_lives(), inputs=tangents)
+        for u, extra in b.self_saved(f, sizes).items():
+            work_bw[u] = work_bw.get(u, 0) + extra
+        for u in fw_order:
+            # An edge the backward does not follow (it reads no gradient through it, e.g.
+            # rotary tables) is dropped; the reader's recompute still holds the output.
+            for i in [i for i in inputs.get(u, ()) if pos[i] < pos[u]]:
+                inputs[u].discard(i)
+                work_bw[u] = work_bw.get(u, 0) + out_bytes[i]
+        flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes).items()}
+        bw_fetched = fetched[1]
+    regions = []
+    for u in fw_order:
+        ws = fetched[0].get(u, ())
+        bws = bw_fetched.get(u, ()) if bw is not None else None
+        regions.append(RegionSpec(
+            u, ws, tuple(sorted(inputs.get(u, ()), key=fw_order.index)), _int(out_bytes[u]),
+            _int(work_fw.get(u, 0)), _int(work_bw.get(u, 0)), _int(flops_fw.get(u, 0)),
+            _int(flops_bw.get(u, 0)) if bw is not None else None, bws if bws != ws else None))
+    problem = Problem(tuple(regions), tuple(weights), tuple(bw_order) if bw_order else None,
+                      _int(base), training=bw is not None)
+    members = {}
+    for r, u in sorted(unit_of.items()):
+        members.setdefault(u, []).append(r)
+    uses = [g.uses() for g in graphs] + [[]]
+    groups = [{f.name: u for u, fs in g.fetch_groups().items() for f in fs} for g in graphs] + [{}]
+    return StepProblem(problem, sizes.dims(problem), {u: tuple(m) for u, m in members.items()},
+                       uses[0], uses[1], groups[0], groups[1])
+
+
+def _int(v):
+    v = sympy.sympify(v)
+    return int(v) if v.is_number else v
+
+
+def _is_param(n: fx.Node) -> bool:
+    return any(u.op == "call_function" and u.target is ops.FETCH for u in n.users)
+
+
+def _is_view(n: fx.Node) -> bool:
+    t = n.target
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
+
+
+def _base(n: fx.Node) -> fx.Node:
+    """The node that owns `n`'s memory (through views)."""
+    while n.op == "call_function" and _is_view(n) and n.args and isinstance(n.args[0], fx.Node) \
+            and n.target is not operator.getitem:
+        n = n.args[0]
+    return n
+
+
+def _is_handoff(n: fx.Node) -> bool:
+    if n.target in (ops.GRAD_TO_HOST, ops.GRAD_TO_OPTIMIZER):
+        return True
+    return getattr(n.target, "__name__", "") == "with_effects" and len(n.args) > 1 \
+        and n.args[1] is ops.GRAD_TO_OPTIMIZER
+
+
+class _Graph:
+    """One FX graph: which unit owns each node, unit spans, sizes walked in node order."""
+
+    def __init__(self, graph: fx.Graph):
+        self.nodes = list(graph.nodes)
+        self.pos = {n: i for i, n in enumerate(self.nodes)}
+        self.region = self._owners()  # graph region of every compute node but fetches
+        # A fetch belongs where its weight is read: the region of its first reader; its
+        # weights are in use from there to its last reader, whoever owns that.
+        self.fetches: dict[int, list[fx.Node]] = {}
+        self.window: dict[int, tuple[int, int]] = {}
+        for i, n in enumerate(self.nodes):
+            if n.op == "call_function" and n.target is ops.FETCH:
+                readers = sorted(self.pos[u] for u in _alias_users(n) if u in self.region)
+                r = self.region[self.nodes[readers[0]]] if readers else n.args[2]
+                lo, hi = (readers[0], readers[-1]) if readers else (i, i)
+                self.fetches.setdefault(r, []).append(n)
+                w = self.window.get(r, (lo, hi))
+                self.window[r] = (min(w[0], lo), max(w[1], hi))
+
+    def _owners(self) -> dict[fx.Node, int]:
+        """Each compute node's region: its tag, untagged nodes joining the run they sit in.
+        A region's runs apart from its main (longest) run belong to the run they sit in:
+        the partitioner may recompute a tensor early (T5's position bias, tagged with the
+        first block, at the start of the backward), which makes no second span."""
+        runs: list[tuple[int | None, list[fx.Node]]] = []
+        for n in self.nodes:
+            if n.op != "call_function":
+                continue
+            r = region_of(n)
+            if not runs or r is not None and runs[-1][0] != r:
+                runs.append((r, []))
+            if n.target is not ops.FETCH:  # a fetch tags what follows; it goes where it is read
+                runs[-1][1].append(n)
+        runs = [run for run in runs if run[1]]
+        if runs and runs[0][0] is None:  # leading untagged nodes: the first tagged run's
+            if len(runs) == 1:
+                return {}
+            runs[1][1][:0] = runs.pop(0)[1]
+        main: dict[int, list] = {}
+        for r, nodes in runs:
+            if len(nodes) > len(main.get(r, ())):
+                main[r] = nodes
+        owner, out = None, {}
+        for i, (r, nodes) in enumerate(runs):
+            if main[r] is not nodes:
+                r = owner if owner is not None else runs[i + 1][0] if i + 1 < len(runs) else r
+            owner = r
+            out.update(dict.fromkeys(nodes, r))
+        return out
+
+    def spans(self, unit_of: dict[int, int]) -> dict[int, tuple[int, int]]:
+        """Per unit, the first and last node position it owns or reads its weights at."""
+        hull: dict[int, tuple[int, int]] = {}
+        points = [(r, i, i) for n, r in self.region.items() for i in (self.pos[n],)]
+        for r, lo, hi in points + [(r, *w) for r, w in self.window.items()]:
+            u = unit_of[r]
+            a, b = hull.get(u, (lo, hi))
+            hull[u] = (min(a, lo), max(b, hi))
+        return hull
+
+    def own(self, unit_of: dict[int, int]) -> None:
+        self.owner = {n: unit_of[r] for n, r in self.region.items()}
+        self.hull = self.spans(unit_of)
+        self.unit_of = unit_of
+
+    def fetch_groups(self) -> dict[int, list[fx.Node]]:
+        out: dict[int, list[fx.Node]] = {}
+        for r in sorted(self.fetches):
+            out.setdefault(self.unit_of[r], []).extend(self.fetches[r])
+        return out
+
+    def uses(self) -> list[RegionUse]:
+        return [RegionUse(u, lo, hi) for u, (lo, hi) in sorted(self.hull.items(), key=lambda kv: kv[1])]
+
+    def edges(self) -> dict[int, set[int]]:
+        out: dict[int, set[int]] = {}
+        for n, u in self.owner.items():
+            for a in n.all_input_nodes:
+                v = self.owner.get(a)
+                if v is not None and v != u:
+                    out.setdefault(u, set()).add(v)
+        return out
+
+    def outputs(self) -> list[fx.Node]:
+        """Memory owners of the graph's outputs (saved activations and returned values)."""
+        out, seen = [], set()
+        for a in self.nodes[-1].all_input_nodes:
+            b = _base(a)
+            if b.op != "placeholder" and b not in seen:
+                seen.add(b)
+                out.append(b)
+        return out
+
+    def host_copies(self) -> set[fx.Node]:
+        """grad_to_host results: host memory, even when the compute device is the CPU."""
+        return {n for n in self.nodes if n.op == "call_function" and n.target is ops.GRAD_TO_HOST}
+
+    def gradient_lives(self) -> dict[fx.Node, int]:
+        """Weight gradient -> the position of the hand-off after its own (or its own)."""
+        handoffs = [i for i, n in enumerate(self.nodes) if n.op == "call_function" and _is_handoff(n)]
+        out = {}
+        for n in self.nodes:
+            readers = [u for u in _alias_users(n) if not _is_view(u)] if n.op == "call_function" else []
+            if readers and all(_is_handoff(u) for u in readers):
+                own = max(self.pos[u] for u in readers)
+                out[n] = next((i for i in handoffs if i > own), own)
+        return out
+
+    def working_sets(self, sizes: "_Sizes", exclude: set[fx.Node], until: dict[fx.Node, int],
+                     inputs: list[fx.Node] = ()) -> dict[int, object]:
+        """Per unit, the most transient bytes live at once at one of its nodes (symbolic:
+        the set of tensors live at that moment, judged by the current sizes). `until`
+        overrides where a tensor dies; `inputs` (placeholders) count until their last use."""
+        last: dict[fx.Node, int] = {}
+        end = len(self.nodes)
+        for i, n in enumerate(self.nodes):
+            for a in n.all_input_nodes:
+                last[_base(a)] = end if n.op == "output" else i
+        last.update(until)
+        live: dict[fx.Node, int] = {}
+        frees: dict[int, list[fx.Node]] = {}
+        total = 0
+        best: dict[int, tuple[int, tuple]] = {}
+        inputs = set(inputs)
+        for i, n in enumerate(self.nodes):
+            if (n in inputs or n.op == "call_function" and n.target is not ops.FETCH and not _is_view(n)) \
+                    and n not in exclude:
+                b = sizes.hint(n)
+                if b:
+                    live[n] = b
+                    total += b
+                    frees.setdefault(last.get(n, i), []).append(n)
+            u = self.owner.get(n)
+            if u is not None and total > best.get(u, (-1,))[0]:
+                best[u] = (total, tuple(live))
+            for x in frees.pop(i, ()):
+                total -= live.pop(x)
+        return {u: sizes.total(nodes) for u, (_, nodes) in best.items()}
+
+    def self_saved(self, forward: "_Graph", sizes: "_Sizes") -> dict[int, object]:
+        """Saved activations a unit's own backward reads while the planner may already have
+        released them (they outlive only their consumers there): counted in its work."""
+        made = {n.name: forward.owner.get(n) for n in forward.nodes}
+        read_by_others = {v for vs in forward.edges().values() for v in vs}
+        out: dict[int, object] = {}
+        for p in self.nodes:
+            if p.op != "placeholder":
+                continue
+            u = made.get(p.name)
+            if u in read_by_others and any(self.owner.get(x) == u for x in _alias_users(p)):
+                out[u] = out.get(u, 0) + sizes.total([p])
+        return out
+
+    def flops(self, sizes: "_Sizes") -> dict[int, object]:
+        out: dict[int, object] = {}
+        for n, u in self.owner.items():
+            f = _flops(n)
+            if f:
+                out[u] = out.get(u, 0) + sizes.expr(f)
+        return out
+
+
+def _alias_users(node: fx.Node) -> list[fx.Node]:
+    """Every node that reads `node`'s memory: its users, and users of its views."""
+    out, stack, seen = [], [node], set()
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            out.append(u)
+            if _is_view(u):
+                stack.append(u)
+    return out
+
+
+def _units(graphs: list[_Graph]) -> dict[int, int]:
+    """Graph region -> unit (the smallest region id among its members): regions whose spans
+    overlap in any graph are merged until every graph's unit spans are disjoint."""
+    regions = sorted({r for g in graphs for r in g.region.values()} | {r for g in graphs for r in g.fetches})
+    unit = {r: r for r in regions}
+
+    def find(r):
+        while unit[r] != r:
+            unit[r] = unit[unit[r]]
+            r = unit[r]
+        return r
+
+    changed = True
+    while changed:
+        changed = False
+        for g in graphs:
+            flat = {r: find(r) for r in regions}
+            spans = sorted(g.spans(flat).items(), key=lambda kv: kv[1])
+            for (a, (_, a_hi)), (b, (b_lo, _)) in zip(spans, spans[1:]):
+                if b_lo <= a_hi:
+                    lo, hi = sorted((find(a), find(b)))
+                    unit[hi] = lo
+                    changed = True
+                    break
+            if changed:
+                break
+    return {r: find(r) for r in regions}
+
+
+def _weights(graphs: list[_Graph], params, dtype):
+    """Planner weights, one per parameter, and the weights each unit fetches per graph. A
+    parameter fetched again inside one unit (by a second member region) is a second device
+    copy: a weight of its own, with no host work."""
+    weights: dict[int, Weight] = {}
+    copies: dict[tuple, int] = {}  # (unit, param, k-th fetch in the unit) -> weight id
+    groups = [g.fetch_groups() for g in graphs]
+    first_copy = 1 + max((f.args[3] for gr in groups for fs in gr.values() for f in fs), default=-1)
+    fetched: list[dict[int, tuple[int, ...]]] = []
+    for gr in groups:
+        per_unit: dict[int, list[int]] = {}
+        seen: dict[tuple, int] = {}
+        for u, fs in gr.items():
+            for f in fs:
+                pid = f.args[3]
+                k = seen[(u, pid)] = seen.get((u, pid), -1) + 1
+                wid = pid if k == 0 else copies.setdefault((u, pid, k), first_copy + len(copies))
+                if wid not in weights:
+                    numel = f.meta["val"].numel()
+                    trains = pid >= len(params) or params[pid].requires_grad
+                    padded = -(-max(numel, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS * dtype.itemsize
+                    weights[wid] = Weight(wid, padded, numel if trains and k == 0 else 0,
+                                          numel * dtype.itemsize if trains else 0, grad_held=False)
+                per_unit.setdefault(u, []).append(wid)
+        fetched.append({u: tuple(ws) for u, ws in per_unit.items()})
+    return sorted(weights.values(), key=lambda w: w.id), fetched
+
+
+def _flops(n: fx.Node):
+    """FLOPs of one matmul-like node from torch's formulas (0 for everything else)."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return 0
+    formula = flop_registry.get(t.overloadpacket)
+    vals = fx.node.map_aggregate((n.args, n.kwargs),
+                                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    if formula is None:
+        return _attention_flops(t, vals[0])
+    try:
+        return formula(*vals[0], out_val=n.meta.get("val"), **vals[1])
+    except (TypeError, ValueError, AssertionError, IndexError):  # a formula that does not
+        return 0  # know this overload's arguments: the op's time is not modelled
+
+
+def _attention_flops(t, args):
+    """CPU attention kernels have no formula: 4 B H L S E forward, twice that backward."""
+    name = t.overloadpacket.__name__
+    if "scaled_dot_product" not in name and "attention" not in name:
+        return 0
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if "backward" in name:
+        tensors = tensors[1:]
+    if len(tensors) < 3 or tensors[0].dim() != 4:
+        return 0
+    q, k = tensors[0], tensors[1]
+    b, h, length, e = q.shape
+    return (8 if "backward" in name else 4) * b * h * length * k.shape[-2] * e
+
+
+class _Sizes:
+    """Bytes and FLOPs of fake tensors as sympy expressions over the graph's symbols."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.env = None  # the ShapeEnv of the first symbolic size seen
+
+    def expr(self, v):
+        if isinstance(v, (torch.SymInt, torch.SymFloat)):
+            self.env = self.env or v.node.shape_env
+            return v.node.expr
+        return sympy.Integer(int(v))
+
+    def _tensors(self, n: fx.Node):
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        return [x for x in vals if isinstance(x, torch.Tensor) and x.device.type == self.device.type]
+
+    def bytes(self, n: fx.Node):
+        total = sympy.Integer(0)
+        for x in self._tensors(n):
+            numel = sympy.Integer(1)
+            for s in x.shape:
+                numel *= self.expr(s)
+            total += numel * x.element_size()
+        return total
+
+    def hint(self, n: fx.Node) -> int:
+        from .sizes import tensor_nbytes
+
+        return sum(tensor_nbytes(x) for x in self._tensors(n))
+
+    def total(self, nodes) -> object:
+        return sympy.expand(sum((self.bytes(n) for n in nodes), sympy.Integer(0)))
+
+    def dims(self, problem: Problem) -> dict:
+        syms = problem.free_symbols
+        if not syms:
+            return {}
+        hints = getattr(self.env, "backed_var_to_val", None) or self.env.var_to_val  # torch 2.13 / 2.11
+        return {s: int(hints[s]) if s in hints else int(self.env.size_hint(s)) for s in syms}

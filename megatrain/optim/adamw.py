@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from megatrain.optim import checks, functional, registry
+from megatrain.optim import checks, device_update, functional, registry
 from megatrain.optim.engine import HostWorker
 from megatrain.runtime.host_store import is_homed
 
@@ -70,6 +70,10 @@ class AdamW(Optimizer):
       and the next ``step()`` wait for all of them; read those parameters directly
       (outside the compiled model) only after ``synchronize()``. Otherwise ``step()`` is
       synchronous like torch's.
+    - ``submit_on_device(params, device_grads, device)`` runs a region's update on the
+      compute device instead (a planner choice, see :mod:`megatrain.optim.device_update`):
+      master, m and v cross the link, the same kernel updates them there and they come
+      back; the returned handle is waited for like a host update.
 
     Args:
         max_grad_norm: clip the global gradient 2-norm to this, inside ``step()``; the
@@ -114,6 +118,7 @@ class AdamW(Optimizer):
         self._norms: dict[Tensor, tuple[Tensor, int, Tensor]] = {}  # grad, version, norm
         self._grad_buffers: dict[Tensor, Tensor] = {}
         self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
+        self._device_updates: device_update.DeviceUpdater | None = None  # made on first use
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -154,6 +159,110 @@ class AdamW(Optimizer):
             yield
         finally:
             self._accumulating -= 1
+
+    # ---- updates on the compute device (issue 4 item 7; megatrain.optim.device_update) --
+
+    def submit_on_device(
+        self,
+        params: Sequence[Tensor],
+        device_grads: Sequence[Tensor],
+        device: torch.device | str,
+        copy_streams: Sequence[Any] | None = None,
+        *,
+        ready: Any = None,
+    ) -> device_update.DeviceUpdateHandle:
+        """Apply one region's final gradients, which are on ``device``, by running its AdamW
+        step there: master, m and v are copied in (``copy_streams`` = (H2D, D2H) CUDA
+        streams, default the optimizer's own), updated by the same fused kernel with the
+        group's hyperparameters read now, and copied back. ``ready``: a CUDA event after
+        which the gradients are complete (default: recorded now on the current stream).
+
+        Returns a handle (a Future) resolved once master, m and v are back in host memory;
+        until then they must not be read or written, and ``wait_params``, ``step()``,
+        ``synchronize()`` and ``state_dict()`` wait for it. The gradients are kept alive
+        by the handle until the kernel has read them; do not write them meanwhile.
+        Refused (ValueError, saying why) where :meth:`device_update_blocker` says so."""
+        params, grads = list(params), list(device_grads)
+        dev = device_update.resolve_device(device)
+        device_update.check_region(params, grads, dev, self._where.__contains__, self._describe)
+        reason = self.device_update_blocker(params)
+        if reason is not None:
+            raise ValueError(f"submit_on_device(): {reason}")
+        by_group: dict[int, list[int]] = {}
+        for i, p in enumerate(params):
+            by_group.setdefault(self._where[p][0], []).append(i)
+        groups = [(idx, self._hyper(self.param_groups[gi])) for gi, idx in by_group.items()]
+        if self._device_updates is None:
+            self._device_updates = device_update.DeviceUpdater()
+        handle = self._device_updates.launch(
+            self.state, params, grads, groups, dev, copy_streams, ready
+        )
+        for p in params:
+            self._final[p] = True
+        self._worker.track(handle, params)
+        return handle
+
+    def device_update_blocker(self, params: Iterable[Tensor] = ()) -> str | None:
+        """Why ``submit_on_device(params, ...)`` would be refused now, or None. Waits for
+        queued host work on ``params`` first (their ``p.grad`` may still be filling). The
+        runtime asks before it leaves a region's gradients on the device; when refused it
+        takes the host path (copy them out, ``submit``)."""
+        if type(self).submit is not AdamW.submit:
+            return (
+                f"{type(self).__name__} hands gradients to its state its own way (e.g. "
+                "ShardedAdamW reduces them across ranks into shards); the device update "
+                "knows megatrain.AdamW's state only: use submit()"
+            )
+        if self._accumulating:
+            return (
+                "inside accumulate() a gradient is not the last micro-batch's: it is summed "
+                "into p.grad on the host and applied by step(); use submit()"
+            )
+        if self.max_grad_norm is not None:
+            return (
+                "max_grad_norm is set: the update needs the global gradient norm, known only "
+                "after the whole backward, so it cannot run when this region's gradient "
+                "arrives (the gradients would have to stay on the device until step()); "
+                "use submit()"
+            )
+        if self.skip_nonfinite:
+            return (
+                "skip_nonfinite is set: whether this step runs at all is known only after "
+                "every gradient was checked, so the update cannot run when this region's "
+                "gradient arrives; use submit()"
+            )
+        params = list(params)
+        self._worker.wait(params)
+        for p in params:
+            if p not in self._where:
+                what = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+                return f"a parameter ({what}) is not managed by this optimizer"
+            if p in self._final:
+                return (
+                    f"{self._describe(p)} already received its last gradient for this step; "
+                    "call opt.step() between steps"
+                )
+            if p.grad is not None:
+                return (
+                    f"{self._describe(p)} has a gradient in p.grad (micro-batches summed "
+                    "under accumulate(), or autograd's) that lives on the host and that the "
+                    "device update would ignore; use submit(), or zero_grad() first"
+                )
+        return None
+
+    def prepare_device_update(self, params: Iterable[Tensor], device: torch.device | str) -> None:
+        """Create the AdamW state of ``params`` (zeros, step 0) and, for CUDA, page-lock it
+        now rather than at their first ``submit_on_device`` (locking takes ~2-3 s per 4 GiB;
+        call this while planning)."""
+        dev = device_update.resolve_device(device)
+        params = list(params)
+        for p in params:
+            if not isinstance(p, Tensor) or p not in self._where:
+                raise ValueError(
+                    "prepare_device_update(): a parameter is not managed by this optimizer"
+                )
+        self._worker.wait(params)
+        device_update.ensure_state(self.state, params, pin=dev.type == "cuda")
 
     def wait_params(self, params: Iterable[Tensor]) -> None:
         """Block until every queued update or accumulation touching ``params`` is done."""

@@ -31,9 +31,11 @@ def _set_worker_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_no_grad(fn: Callable[..., Any], args: tuple) -> Any:
+def _run_no_grad(fn: Callable[..., Any], args: tuple, after: tuple[Future, ...] = ()) -> Any:
     # Grad mode is thread-local and on by default in a new thread: in-place updates of
     # leaf parameters would be refused by autograd without this.
+    for f in after:  # tracked work elsewhere on the same tensors (see HostWorker.track)
+        f.result()
     with torch.no_grad():
         return fn(*args)
 
@@ -59,6 +61,7 @@ class HostWorker:
         self._lock = threading.Lock()
         self._last: dict[torch.Tensor, Future] = {}
         self._outstanding: list[Future] = []
+        self._tracked: set[Future] = set()  # pending futures of work done elsewhere
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def submit(
@@ -66,13 +69,34 @@ class HostWorker:
     ) -> Future:
         """Queue ``fn(*args)`` (run under no_grad); ``touches`` are the tensors it reads
         or writes, for :meth:`wait`."""
-        future = self._pool.submit(_run_no_grad, fn, args)
+        touches = list(touches)
         with self._lock:
+            after = {id(f): f for t in touches if (f := self._last.get(t)) in self._tracked}
+            future = self._pool.submit(_run_no_grad, fn, args, tuple(after.values()))
             self._outstanding = [f for f in self._outstanding if not f.done()]
             self._outstanding.append(future)
             for t in touches:
                 self._last[t] = future
         return future
+
+    def track(self, future: Future, touches: Iterable[torch.Tensor]) -> None:
+        """Count work running elsewhere (a device update) as the last task touching
+        ``touches``: :meth:`wait` and :meth:`wait_all` wait for it (and re-raise its
+        error), and a task submitted later that touches any of them starts after it.
+        The caller starts that work only after :meth:`wait` on ``touches`` returned: it
+        runs outside this FIFO, so nothing here orders it after earlier tasks. A later task
+        that must wait holds up the FIFO meanwhile: a safety net, not a path to rely on."""
+        with self._lock:
+            self._outstanding = [f for f in self._outstanding if not f.done()]
+            self._outstanding.append(future)
+            self._tracked.add(future)
+            for t in touches:
+                self._last[t] = future
+        future.add_done_callback(self._untrack)
+
+    def _untrack(self, future: Future) -> None:
+        with self._lock:
+            self._tracked.discard(future)
 
     def wait(self, tensors: Iterable[torch.Tensor]) -> None:
         """Block until every queued task touching ``tensors`` has finished; re-raise its

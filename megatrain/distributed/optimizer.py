@@ -71,7 +71,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from megatrain.optim import checks, functional
-from megatrain.optim.adamw import _STATE_KEYS, AdamW
+from megatrain.optim.adamw import AdamW
 from megatrain.runtime.host_store import is_homed
 
 from .comm import Collectives, as_timedelta, backend_takes_cpu_tensors
@@ -518,34 +518,17 @@ class ShardedAdamW(AdamW):
                     out.setdefault(i, {"step": state[i]["step"].clone()})[key] = t
         return out
 
-    def _adopt_loaded_state(self) -> None:
-        """Like megatrain.AdamW's, for shard-shaped moments."""
-        for gi, group in enumerate(self.param_groups):
-            checks.check_hyperparameters(group, f"loaded param_groups[{gi}]")
-            group.update(fused=True, foreach=None, capturable=False, decoupled_weight_decay=True)
-        self._reindex()
-        for p, st in self.state.items():
-            if not isinstance(p, Tensor) or not st or p not in self._where:
-                continue
-            missing = [k for k in _STATE_KEYS if k not in st]
-            if missing:
+    def _adopt_moments(self, p: Tensor, st: dict[str, Any]) -> None:
+        """Loaded moments as this rank's flat shard."""
+        size = self._spec(p).size
+        for k in ("exp_avg", "exp_avg_sq"):
+            if tuple(st[k].shape) != (size,):
                 raise ValueError(
-                    f"loaded state for {self._describe(p)} lacks {missing}: load a state_dict "
-                    "saved by megatrain.AdamW/ShardedAdamW or torch.optim.AdamW/Adam"
+                    f"loaded {k} for {self._describe(p)} has shape {tuple(st[k].shape)}, "
+                    f"this rank's shard has ({size},); the state_dict belongs to another "
+                    "model or sharding"
                 )
-            step = st["step"]
-            if not (isinstance(step, Tensor) and step.dtype == torch.float32 and not step.dim()
-                    and step.is_cpu):
-                st["step"] = torch.tensor(float(step), dtype=torch.float32)
-            size = self._spec(p).size
-            for k in ("exp_avg", "exp_avg_sq"):
-                if tuple(st[k].shape) != (size,):
-                    raise ValueError(
-                        f"loaded {k} for {self._describe(p)} has shape {tuple(st[k].shape)}, "
-                        f"this rank's shard has ({size},); the state_dict belongs to another "
-                        "model or sharding"
-                    )
-                st[k] = st[k].to(torch.float32).contiguous()
+            st[k] = st[k].to(torch.float32).contiguous()
 
 
 def _comm_device(group, comm_device) -> torch.device:

@@ -557,7 +557,7 @@ class AdamW(Optimizer):
 
     def _adopt_loaded_state(self) -> None:
         """Validate groups and state after load_state_dict/unpickling, and bring the state
-        to the form the kernel needs (fp32 0-dim step, moments laid out like the param)."""
+        to the form the kernel needs (fp32 0-dim step, moments as _adopt_moments says)."""
         for gi, group in enumerate(self.param_groups):
             checks.check_hyperparameters(group, f"loaded param_groups[{gi}]")
             group.update(fused=True, foreach=None, capturable=False, decoupled_weight_decay=True)
@@ -569,7 +569,7 @@ class AdamW(Optimizer):
             if missing:
                 raise ValueError(
                     f"loaded state for {self._describe(p)} lacks {missing}: load a state_dict "
-                    "saved by megatrain.AdamW or torch.optim.AdamW/Adam"
+                    f"saved by megatrain.{type(self).__name__} or torch.optim.AdamW/Adam"
                 )
             step = st["step"]
             kernel_ready = (
@@ -577,10 +577,14 @@ class AdamW(Optimizer):
             )
             if not (kernel_ready and step.is_cpu):
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
-            for k in ("exp_avg", "exp_avg_sq"):
-                if st[k].shape != p.shape:
-                    raise ValueError(
-                        f"loaded {k} for {self._describe(p)} has shape {tuple(st[k].shape)}; "
-                        "the state_dict belongs to a different model"
-                    )
-                st[k] = functional.like_param(st[k], p)
+            self._adopt_moments(p, st)
+
+    def _adopt_moments(self, p: Tensor, st: dict[str, Any]) -> None:
+        """Loaded moments laid out like their parameter."""
+        for k in ("exp_avg", "exp_avg_sq"):
+            if st[k].shape != p.shape:
+                raise ValueError(
+                    f"loaded {k} for {self._describe(p)} has shape {tuple(st[k].shape)}; "
+                    "the state_dict belongs to a different model"
+                )
+            st[k] = functional.like_param(st[k], p)

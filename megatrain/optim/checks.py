@@ -7,7 +7,7 @@ written once. Checks cost O(number of tensors), never a pass over their elements
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -131,13 +131,15 @@ def check_grad(g: object, p: Tensor, name: str) -> None:
         )
 
 
-def check_region(
-    params: Sequence[Tensor], grads: Sequence[object], owned: Callable[[Tensor], bool], namer: Namer
-) -> None:
-    """One ``submit`` call: matching lists of distinct owned parameters and their grads."""
+def region_members(
+    params: Sequence[Tensor], grads: Sequence[object], owned: Callable[[Tensor], bool],
+    namer: Namer, api: str = "submit",
+) -> Iterator[tuple[Tensor, object]]:
+    """The (param, grad) pairs of one ``api(params, grads)`` call, checked to be matching
+    lists of distinct parameters this optimizer owns."""
     if len(params) != len(grads):
         raise ValueError(
-            f"submit() got {len(params)} parameters and {len(grads)} gradients; "
+            f"{api}() got {len(params)} parameters and {len(grads)} gradients; "
             "pass one gradient per parameter"
         )
     seen: set[int] = set()
@@ -145,14 +147,22 @@ def check_region(
         if not isinstance(p, Tensor) or not owned(p):
             shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise ValueError(
-                f"submit(): params[{i}] ({shape}) is not managed by this optimizer; "
+                f"{api}(): params[{i}] ({shape}) is not managed by this optimizer; "
                 "add it with add_param_group() or pass the model's own parameters"
             )
         if id(p) in seen:
             raise ValueError(
-                f"submit(): {namer(p)} appears twice in one region; sum its gradients first"
+                f"{api}(): {namer(p)} appears twice in one region; sum its gradients first"
             )
         seen.add(id(p))
+        yield p, g
+
+
+def check_region(
+    params: Sequence[Tensor], grads: Sequence[object], owned: Callable[[Tensor], bool], namer: Namer
+) -> None:
+    """One ``submit`` call: matching lists of distinct owned parameters and their grads."""
+    for p, g in region_members(params, grads, owned, namer):
         if not grad_ok(g, p):
             check_grad(g, p, namer(p))
 

@@ -224,25 +224,8 @@ def check_region(params: Sequence[Any], grads: Sequence[Any], device: torch.devi
                  owned, namer) -> None:
     """One ``submit_on_device`` call: distinct owned parameters the update can copy as flat
     memory (contiguous; page-locked on CUDA), and their gradients on ``device``."""
-    if len(params) != len(grads):
-        raise ValueError(
-            f"submit_on_device() got {len(params)} parameters and {len(grads)} gradients; "
-            "pass one gradient per parameter"
-        )
-    seen: set[int] = set()
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if not isinstance(p, Tensor) or not owned(p):
-            shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
-            raise ValueError(
-                f"submit_on_device(): params[{i}] ({shape}) is not managed by this optimizer; "
-                "add it with add_param_group() or pass the model's own parameters"
-            )
+    for p, g in checks.region_members(params, grads, owned, namer, api="submit_on_device"):
         name = namer(p)
-        if id(p) in seen:
-            raise ValueError(
-                f"submit_on_device(): {name} appears twice in one region; sum its gradients first"
-            )
-        seen.add(id(p))
         if not p.is_contiguous():
             raise ValueError(
                 f"submit_on_device(): {name} is not contiguous (strides {p.stride()}); the "

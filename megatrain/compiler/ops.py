@@ -115,6 +115,18 @@ def _(token, flat, streamer, region):
     return None
 
 
+@torch.library.custom_op("megatrain::prefetch_next", mutates_args=("token",))
+def prefetch_next(token: Tensor, streamer: int, phase: str) -> None:
+    # After the graph's last region is resident: fetch the first region of the graph that
+    # ran next last time (runtime/graph_order.py), so a graph boundary costs no stall.
+    _s(streamer).prefetch_next(phase)
+
+
+@prefetch_next.register_fake
+def _(token, streamer, phase):
+    return None
+
+
 @torch.library.custom_op("megatrain::drain", mutates_args=("token",))
 def drain(token: Tensor, host_grads: list[Optional[Tensor]], streamer: int) -> None:
     # host_grads: grad_to_host outputs and the effect tokens of grad_to_optimizer calls
@@ -133,5 +145,6 @@ GRAD_TO_OPTIMIZER = torch.ops.megatrain.grad_to_optimizer.default
 PREFETCH = torch.ops.megatrain.prefetch.default
 WAIT = torch.ops.megatrain.wait.default
 EVICT = torch.ops.megatrain.evict.default
+PREFETCH_NEXT = torch.ops.megatrain.prefetch_next.default
 DRAIN = torch.ops.megatrain.drain.default
-TRANSFER_OPS = (PREFETCH, WAIT, EVICT, GRAD_TO_HOST, DRAIN)
+TRANSFER_OPS = (PREFETCH, WAIT, EVICT, PREFETCH_NEXT, GRAD_TO_HOST, DRAIN)

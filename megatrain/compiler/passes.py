@@ -13,6 +13,7 @@ After (each planned Transfer, in the planner's order, at its anchor):
     megatrain.evict(token, flat, 7, 2)                           # after the last use
     megatrain.prefetch(token, [...], 7, 4)
     ...
+    megatrain.prefetch_next(token, 7, "forward")               # after the last region's wait
     megatrain.drain(token, [grad_to_host outputs], 7)           # backward only, at the end
 Each planner region streams one flat buffer: the fetches the planner grouped under it
 (`groups`: fetch node name -> planner region; by default each fetch's own region). The
@@ -104,6 +105,11 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
     for fs in fetches.values():  # only now: anchors are positions in the original node list
         for f in fs:
             graph.erase_node(f)
+    if flats:  # once the last region is resident, the next graph's first may start moving
+        last = max(flats.values(), key=list(graph.nodes).index)
+        with graph.inserting_after(last):
+            graph.call_function(ops.PREFETCH_NEXT, (token, streamer, kind))
+        sched.events.append("prefetch_next")
 
     if kind == "backward":
         grads = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.GRAD_TO_HOST]

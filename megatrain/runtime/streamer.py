@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import graph_order
 from .grad_slabs import GradSlabs
 from .layout import FlatLayout, contiguous_spans
 from ..optim.registry import owner_of
@@ -46,7 +47,8 @@ _LOCK = threading.Lock()
 def register(streamer: "Streamer") -> int:
     with _LOCK:
         _REGISTRY.append(streamer)
-        return len(_REGISTRY) - 1
+        streamer.index = len(_REGISTRY) - 1
+        return streamer.index
 
 
 def get(index: int) -> "Streamer":
@@ -79,6 +81,7 @@ class StepStats:
     cuda_peak: int | None = None
     cuda_base: int = 0
     regions_fetched: list = field(default_factory=list)
+    early_hits: int = 0  # first regions found already fetched by the graph before
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
     transfers: list = field(default_factory=list)  # CUDA (region, started, done) on the copy stream
@@ -132,6 +135,12 @@ class Streamer:
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device grad, slab] per gradient
         self._slabs = GradSlabs(pin=self.cuda)
+        # Prefetch across graphs (graph_order.py): each phase's first fetch, and fetches
+        # started early by the graph that ran before, with the parameters' versions then.
+        self.index = -1
+        self._phase, self._awaiting_first = "forward", True
+        self._first: dict[str, tuple[int, list[torch.Tensor]]] = {}
+        self._early: dict[int, tuple[_Inflight, list[int]]] = {}
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         if self.cuda:
@@ -146,6 +155,7 @@ class Streamer:
 
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
+        self._phase, self._awaiting_first = "forward", True
         self.stats = StepStats()
         self.pool.reset_peak()
         if self.cuda:
@@ -171,9 +181,52 @@ class Streamer:
         return param.detach().to(self.device, self.compute_dtype, copy=True)
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
+        if self._awaiting_first:
+            self._first[self._phase] = (region, list(host_params))
+            self._awaiting_first = False
         t0 = time.perf_counter()
         self.wait_updates(host_params)
         self.stats.optimizer_wait_s += time.perf_counter() - t0
+        early = self._early.pop(region, None)
+        if early is not None:
+            entry, versions = early
+            if versions == [p._version for p in host_params]:
+                self._inflight[region].append(entry)
+                self.stats.early_hits += 1
+                return
+            self._discard(entry)  # an update landed after the early fetch: fetch afresh
+        self._inflight[region].append(self._start_fetch(region, host_params))
+
+    def prefetch_next(self, phase: str) -> None:
+        """End of this graph's schedule: start the first fetch of the graph that ran next
+        last time (same step only), if the device budget has room beside what is live."""
+        nxt = graph_order.finished((self.index, phase))
+        if phase == "forward":
+            self._phase, self._awaiting_first = "backward", True
+        if nxt is not None:
+            get(nxt[0])._fetch_early(nxt[1], beside=self)
+
+    def _fetch_early(self, phase: str, beside: "Streamer") -> None:
+        first = self._first.get(phase)
+        if first is None or first[0] in self._early:
+            return
+        region, host_params = first
+        nbytes = self.layout([p.shape for p in host_params]).numel * self.compute_dtype.itemsize
+        live = self.pool.live + (beside.pool.live if beside is not self else 0)
+        if live + nbytes > self.pool.budget:
+            return
+        self.wait_updates(host_params)
+        versions = [p._version for p in host_params]
+        self._early[region] = (self._start_fetch(region, host_params), versions)
+
+    def _discard(self, entry: _Inflight) -> None:
+        """Drop a fetched buffer nobody will use, once no copy writes into it any more."""
+        if self.cuda:
+            done = entry.done.result() if isinstance(entry.done, concurrent.futures.Future) else entry.done
+            done.synchronize()
+        self.pool.release(entry.nbytes)
+
+    def _start_fetch(self, region: int, host_params: list[torch.Tensor]) -> _Inflight:
         lay = self.layout([p.shape for p in host_params])
         nbytes = lay.numel * self.compute_dtype.itemsize
         # This region's gradients come back in the compute dtype (fp32 on the CPU path).
@@ -202,7 +255,7 @@ class Streamer:
                 self.stats.h2d_bytes += sum(n * src.element_size() for _, n, src in spans) - nbytes
             else:
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
-        self._inflight[region].append(entry)
+        return entry
 
     def _copy_in(self, flat, spans, allocated, region):
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

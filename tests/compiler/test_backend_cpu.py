@@ -141,6 +141,14 @@ def test_graph_break_trains_with_a_warning():
         assert abs(a - b) / abs(b) < 1e-5
     assert rel(r["grads"], r["grads_ref"]) < 1e-5
     assert rel(r["params"], r["params_ref"]) < 1e-3
+    # Prefetch continues across the break: from the second step on, each graph that runs
+    # next has its first region fetched while the one before still runs: the second
+    # graph's forward (by the first forward) and backward (by its own forward), the first
+    # graph's backward (by the second backward); never across the step boundary.
+    graphs = r["plan"].graphs
+    assert len(graphs) == 2
+    assert all("prefetch_next" in g.forward_events + g.backward_events for g in graphs)
+    assert sorted(g.streamer.last_stats.early_hits for g in graphs) == [1, 2]
 
 
 def test_kernels_option_swaps_in_the_triton_kernels():

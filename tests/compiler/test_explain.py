@@ -53,7 +53,11 @@ def test_the_compiled_schedule_is_the_planners_validated_plan():
     assert g.slots == sched.plan.config.slots
     # The FX graphs hold the planner's prefetch/wait/evict, in the planner's order.
     for planned, events in ((sched.forward, g.forward_events), (sched.backward, g.backward_events)):
-        assert [e for e in events if e != "drain"] == [f"{t.kind}({t.region})" for t in planned]
+        # ... plus the cross-graph prefetch_next right after the last wait (runtime-decided).
+        assert [e for e in events if e not in ("drain", "prefetch_next")] == [
+            f"{t.kind}({t.region})" for t in planned]
+        waits = [i for i, e in enumerate(events) if e.startswith("wait")]
+        assert events.index("prefetch_next") > waits[-1]
     assert g.backward_events[-1] == "drain"
     # The planner modelled the embedding's backward without its weight: no fetch there.
     prologue = sched.plan.schedule.problem.regions[0]
@@ -77,8 +81,8 @@ def test_materialised_order_matches_the_lowered_graph():
     finally:
         backend.lower = real
     g = megatrain.explain(step).graphs[0]
-    assert captured["fw"] == g.forward_events
-    assert captured["bw"] == [e for e in g.backward_events if e != "drain"]
+    assert captured["fw"] == [e for e in g.forward_events if e != "prefetch_next"]
+    assert captured["bw"] == [e for e in g.backward_events if e not in ("drain", "prefetch_next")]
 
 
 def test_predicted_step_time_is_positive_and_grows_with_layers():

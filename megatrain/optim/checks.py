@@ -106,8 +106,9 @@ def check_param(p: Tensor, name: str) -> None:
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_grad(g: object, p: Tensor, name: str) -> None:
-    """A gradient for parameter ``p``: a dense CPU tensor of p's shape, fp32 or 16-bit."""
+def check_grad(g: object, p: Tensor, name: str, device: torch.device | None = None) -> None:
+    """A gradient for parameter ``p``: a dense tensor of p's shape, fp32 or 16-bit, in host
+    memory (``submit``/``step``) or on ``device`` (``submit_on_device``)."""
     if not isinstance(g, Tensor):
         raise TypeError(f"gradient for {name} must be a Tensor, got {type(g).__name__}")
     if g.layout != torch.strided:
@@ -120,9 +121,15 @@ def check_grad(g: object, p: Tensor, name: str) -> None:
             f"gradient for {name} is {g.dtype}; pass fp32 (or bf16/fp16, upcast exactly "
             "inside the update) gradients: grad.float()"
         )
-    if g.device.type != "cpu":
+    if device is None and g.device.type != "cpu":
         raise ValueError(
             f"gradient for {name} is on {g.device}; copy it to host memory first"
+        )
+    if device is not None and g.device != device:
+        raise ValueError(
+            f"gradient for {name} is on {g.device}, but submit_on_device(..., "
+            f"device={str(device)!r}) updates there; pass the gradient on that device "
+            "(submit() takes host gradients)"
         )
     if g.shape != p.shape:
         raise ValueError(

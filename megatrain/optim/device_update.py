@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from megatrain.optim import checks, functional
+from megatrain.runtime.host_store import page_locked
 from megatrain.runtime.layout import FlatLayout
 
 if TYPE_CHECKING:
@@ -239,35 +240,7 @@ def check_region(params: Sequence[Any], grads: Sequence[Any], device: torch.devi
                 "home_parameters(params, pin=True) (the megatrain backend does this for the "
                 "parameters it streams), or use submit()"
             )
-        if not isinstance(g, Tensor):
-            raise TypeError(f"gradient for {name} must be a Tensor, got {type(g).__name__}")
-        if g.layout != torch.strided:
-            raise TypeError(
-                f"gradient for {name} is sparse ({g.layout}); the device update needs dense "
-                "gradients: use nn.Embedding(sparse=False) or convert with grad.to_dense()"
-            )
-        if g.dtype not in checks.GRAD_DTYPES:
-            raise TypeError(
-                f"gradient for {name} is {g.dtype}; pass fp32 or bf16/fp16 gradients (upcast "
-                "exactly on the device)"
-            )
-        if g.device != device:
-            raise ValueError(
-                f"gradient for {name} is on {g.device}, but submit_on_device(..., "
-                f"device={str(device)!r}) updates there; pass the gradient on that device "
-                "(submit() takes host gradients)"
-            )
-        if g.shape != p.shape:
-            raise ValueError(
-                f"gradient for {name} has shape {tuple(g.shape)}, the parameter "
-                f"{tuple(p.shape)}; pass one gradient per parameter, in the same order"
-            )
-
-
-def _page_locked(numel: int, users: int) -> tuple[Tensor, Any]:
-    from megatrain.runtime.host_store import _page_locked as lock  # the masters' allocator
-
-    return lock(numel, torch.float32, users=users)
+        checks.check_grad(g, p, name, device)
 
 
 def ensure_state(state: dict, params: Sequence[Tensor], pin: bool) -> None:
@@ -288,7 +261,7 @@ def ensure_state(state: dict, params: Sequence[Tensor], pin: bool) -> None:
     layout = FlatLayout.of([p.shape for p in todo] * 2)
     lock = None
     if pin:
-        buf, lock = _page_locked(layout.numel, users=2 * len(todo))
+        buf, lock = page_locked(layout.numel, torch.float32, users=2 * len(todo))
     else:
         buf = torch.zeros(layout.numel, dtype=torch.float32)
     views = layout.views(buf)

@@ -40,7 +40,7 @@ def home_parameters(params: list[torch.nn.Parameter], pin: bool) -> torch.Tensor
     dtype = todo[0].dtype
     lock = None
     if pin:
-        buf, lock = _page_locked(layout.numel, dtype, users=len(todo))
+        buf, lock = page_locked(layout.numel, dtype, users=len(todo))
     else:
         buf = torch.zeros(layout.numel, dtype=dtype)
     with torch.no_grad():
@@ -57,7 +57,7 @@ def home_parameters(params: list[torch.nn.Parameter], pin: bool) -> torch.Tensor
 _PAGE = 4096
 
 
-def _page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tensor, "_PageLock | None"]:
+def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tensor, "_PageLock | None"]:
     """A zeroed host buffer whose pages belong to it alone, page-locked in place with
     cudaHostRegister. Why not `pin_memory=True`: torch's pinned allocator rounds every
     block up to a power of two and keeps it, so a 262 MB embedding would hold 512 MB of

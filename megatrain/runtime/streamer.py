@@ -105,10 +105,7 @@ class StepStats:
     def transfer_stall_s(self) -> float:
         """Seconds the compute stream sat waiting for weights this step (CUDA events
         recorded around each wait; blocks until the last of them has completed)."""
-        if not self.waits:
-            return 0.0
-        self.waits[-1][2].synchronize()
-        return sum(before.elapsed_time(after) for _, before, after in self.waits) / 1e3
+        return sum(self.stall_by_region().values())
 
 
 class Streamer:

@@ -85,19 +85,25 @@ class _null:
 VARIANTS = [("fast", {}, 4), ("clip_accum", {"max_grad_norm": 0.05}, 8)]
 
 
+def each_variant(model, make_opt):
+    """(name, rows, optimizer) per VARIANTS entry, the model reset to its first weights."""
+    init = [p.detach().clone() for p in model.parameters()]
+    for name, kw, rows in VARIANTS:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), init):
+                p.copy_(q)
+        yield name, rows, make_opt(kw)
+
+
 def reference():
     """Single-process megatrain.AdamW on the whole global batch, same variants."""
     import megatrain
 
     out = {}
     model = make_model()
-    init = [p.detach().clone() for p in model.parameters()]
     step = torch.compile(model, backend="megatrain", options=OPTIONS)
-    for name, kw, rows in VARIANTS:
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), init):
-                p.copy_(q)
-        opt = megatrain.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kw)
+    make_opt = lambda kw: megatrain.AdamW(model.parameters(), lr=LR, weight_decay=0.1, **kw)  # noqa: E731
+    for name, rows, opt in each_variant(model, make_opt):
         train(step, model, opt, global_batches(rows), accum=rows // REF_ROWS)
         out[name] = flat(model.parameters())
         out[name + "_state_bytes"] = sum(t.numel() * t.element_size() for st in opt.state.values()
@@ -129,14 +135,12 @@ def main(scenario, rank, world, store, out_file):
     try:
         if scenario == "train":
             model = make_model()
-            init = [p.detach().clone() for p in model.parameters()]
             step = torch.compile(model, backend="megatrain", options=OPTIONS)
-            for name, kw, rows in VARIANTS:
-                with torch.no_grad():
-                    for p, q in zip(model.parameters(), init):
-                        p.copy_(q)
-                opt = ShardedAdamW(model.parameters(), lr=LR, weight_decay=0.1,
-                                   timeout=SLACK_S, **kw)
+
+            def make_opt(kw):
+                return ShardedAdamW(model.parameters(), lr=LR, weight_decay=0.1, timeout=SLACK_S, **kw)
+
+            for name, rows, opt in each_variant(model, make_opt):
                 accum = rows // world // RANK_ROWS
                 train(step, model, opt, mine(rows), accum=accum)
                 result[name] = flat(model.parameters())

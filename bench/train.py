@@ -232,6 +232,8 @@ def run_system(args) -> dict:
                        "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
         print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
               f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
+    if args.profile:
+        _profile_step(args, lambda: _train_step(step_fn, opt, autocast, data[0], data[1], to_device, device))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]
     row = {
@@ -252,6 +254,38 @@ def run_system(args) -> dict:
         # host memory traffic and the gradient copies shows here)
         row["h2d_copy_gbs"] = row["h2d_bytes"] / row["h2d_busy_s"] / 1e9 if row["h2d_busy_s"] else None
     return row
+
+
+def _train_step(step_fn, opt, autocast, x, y, to_device, device) -> None:
+    if to_device:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    with autocast:
+        loss = step_fn(x, labels=y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _profile_step(args, step) -> None:
+    """One step under torch.profiler: the ops that take the GPU's time and the host's, as
+    text tables (a whole trace is too large to bring back from the device machine)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    (out / f"profile_{args.system}_{args.model}_{args.tokens}.txt").write_text(
+        f"{args.system} {args.model} {args.tokens} tokens: by GPU time\n"
+        + events.table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        + "\nby host self time\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
 
 
 def _bound(row: dict, probe: dict, compiled_step: float | None) -> dict:
@@ -295,6 +329,8 @@ def main(argv=None) -> int:
     p.add_argument("--optim-threads", type=int, default=None, help="megatrain.AdamW threads")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
+    p.add_argument("--profile", default=None,
+                   help="directory: profile one more step per system, write its op tables there")
     p.add_argument("--out", default=str(REPO / "bench/results/train.jsonl"))
     p.add_argument("--system", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager vs megatrain")

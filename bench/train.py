@@ -140,7 +140,10 @@ def _megatrain_stats(step_fn) -> dict:
 
     stats = [g.streamer.last_stats for g in megatrain.explain(step_fn).graphs
              if g.streamer is not None and g.streamer.last_stats is not None]
-    return {"h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
+    plan = megatrain.explain(step_fn)
+    return {"predicted_step_s": plan.predicted_step_s,
+            "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
+            "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
             "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
             "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
@@ -197,6 +200,10 @@ def run_system(args) -> dict:
     elif args.system == "megatrain":
         import megatrain
 
+        if cuda:  # the cost model plans with this machine's rates (probed once, cached)
+            from megatrain.runtime.probe import load_or_probe
+
+            load_or_probe(device)
         opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=args.optim_threads)
         options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch}
         if args.gpu_memory:
@@ -375,6 +382,9 @@ def main(argv=None) -> int:
         if b:
             print(f"{'':18s} bound terms: " + ", ".join(f"{k[6:]}={v:.3f}" for k, v in b.items()
                                                          if k.startswith("bound_") and v is not None))
+        if r.get("predicted_step_s"):
+            print(f"{'':18s} planner predicted {r['predicted_step_s']:.3f} s/step "
+                  f"(measured/predicted {r['step_s'] / r['predicted_step_s']:.2f}, rates of {r.get('planned_with')})")
         if r.get("h2d_copy_gbs"):
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")

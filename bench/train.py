@@ -32,6 +32,7 @@ Rows are appended to --out (default bench/results/train.jsonl) as each system fi
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -146,6 +147,9 @@ def _megatrain_stats(step_fn) -> dict:
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
             "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
+            "slab_wait_s": sum(s.slab_wait_s for s in stats),
+            "cast_wait_s": sum(s.cast_wait_s for s in stats),
+            "fetch_paths": dict(sum((s.fetch_paths for s in stats), collections.Counter())),
             "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
             "stall_by_region": [{r: round(t, 4) for r, t in s.stall_by_region().items() if t > 1e-4}
                                 for s in stats]}
@@ -386,6 +390,8 @@ def main(argv=None) -> int:
             print(f"{'':18s} planner predicted {r['predicted_step_s']:.3f} s/step "
                   f"(measured/predicted {r['step_s'] / r['predicted_step_s']:.2f}, rates of {r.get('planned_with')})")
         if r.get("h2d_copy_gbs"):
+            print(f"{'':18s} host blocked: on gradient slabs {r.get('slab_wait_s', 0):.3f} s, on host casts "
+                  f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}")
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         print(f"{'':18s} host time in calls: " + ", ".join(

@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from megatrain.optim import checks, functional
-from megatrain.runtime.host_store import page_locked
+from megatrain.runtime.host_store import is_page_locked, page_locked
 from megatrain.runtime.layout import FlatLayout
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ def check_region(params: Sequence[Any], grads: Sequence[Any], device: torch.devi
                 "device update copies parameters as flat memory (the megatrain backend homes "
                 "streamed parameters contiguously): use submit() for this parameter"
             )
-        if device.type == "cuda" and not p.is_pinned():
+        if device.type == "cuda" and not is_page_locked(p):
             raise ValueError(
                 f"submit_on_device(): {name} is not in page-locked host memory, which the "
                 "non-blocking copies need: home it with megatrain.runtime.host_store."
@@ -254,7 +254,7 @@ def ensure_state(state: dict, params: Sequence[Tensor], pin: bool) -> None:
         p for p in params
         if not state[p]
         or not all(state[p][k].is_contiguous() for k in MOMENTS)
-        or (pin and not all(state[p][k].is_pinned() for k in MOMENTS))
+        or (pin and not all(is_page_locked(state[p][k]) for k in MOMENTS))
     ]
     if not todo:
         return

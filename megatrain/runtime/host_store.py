@@ -71,18 +71,34 @@ def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tenso
     pages = raw[start:start + span]
     if int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), span, 0)) != 0:
         return torch.zeros(numel, dtype=dtype, pin_memory=True), None
-    return pages[:nbytes].view(dtype), _PageLock(pages.data_ptr(), users)
+    return pages[:nbytes].view(dtype), _PageLock(pages.data_ptr(), span, users)
+
+
+_registered: dict[int, int] = {}  # start address -> end address of ranges page_locked() holds
+
+
+def is_page_locked(t: torch.Tensor) -> bool:
+    """Whether `t`'s bytes are page-locked, i.e. a copy from them runs at full PCIe speed
+    and asynchronously. Ranges page_locked() registered count without asking torch: its
+    `is_pinned()` need not recognise memory registered with cudaHostRegister."""
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    if any(lo <= start and end <= hi for lo, hi in _registered.items()):
+        return True
+    return t.is_pinned()
 
 
 class _PageLock:
     """Unregisters the pages when the last of the buffer's `users` parameters is gone
     (before their storage can be freed: the parameters hold it)."""
 
-    def __init__(self, ptr: int, users: int):
+    def __init__(self, ptr: int, span: int, users: int):
         self.ptr, self.users, self.locked = ptr, users, True
+        _registered[ptr] = ptr + span
 
     def drop(self) -> None:
         self.users -= 1
         if self.users == 0 and self.locked:
+            _registered.pop(self.ptr, None)
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
             self.locked = False

@@ -32,6 +32,7 @@ import torch
 
 from . import graph_order
 from .grad_slabs import GradSlabs
+from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
 from ..optim.registry import owner_of
 from .pool import DevicePool
@@ -83,6 +84,9 @@ class StepStats:
     regions_fetched: list = field(default_factory=list)
     early_hits: int = 0  # first regions found already fetched by the graph before
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
+    slab_wait_s: float = 0.0  # host time blocked for a free gradient slab (optimizer behind)
+    cast_wait_s: float = 0.0  # host time blocked on the host-cast thread before a wait
+    fetch_paths: collections.Counter = field(default_factory=collections.Counter)  # how weights came in
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
     transfers: list = field(default_factory=list)  # CUDA (region, started, done) on the copy stream
 
@@ -239,18 +243,23 @@ class Streamer:
         # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
+            self.stats.fetch_paths["cpu"] += 1
             for off, n, src in spans:
                 flat[off:off + n].copy_(src)
         else:
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
-            pinned = all(src.is_pinned() for _, _, src in spans)
+            pinned = all(is_page_locked(src) for _, _, src in spans)
             if pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
+                self.stats.fetch_paths["page-locked"] += 1
                 entry.done = self._copy_in(flat, spans, allocated, region)
             elif pinned and self._device_cast_chunk(lay.numel) is not None:
+                self.stats.fetch_paths["device-cast"] += 1
                 entry.done = self._copy_in_and_cast(flat, spans, allocated, region)
                 self.stats.h2d_bytes += sum(n * src.element_size() for _, n, src in spans) - nbytes
             else:
+                # pageable masters, or no device room for the cast chunk: cast on a host thread
+                self.stats.fetch_paths["host-cast" if pinned else "host-cast (pageable)"] += 1
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
         return entry
 
@@ -336,7 +345,11 @@ class Streamer:
         entry = queue.popleft()
         assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
         if self.cuda:
-            done = entry.done.result() if isinstance(entry.done, concurrent.futures.Future) else entry.done
+            done = entry.done
+            if isinstance(done, concurrent.futures.Future):
+                t0 = time.perf_counter()
+                done = done.result()
+                self.stats.cast_wait_s += time.perf_counter() - t0
             stream = torch.cuda.current_stream(self.device)
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record(stream)
@@ -358,7 +371,9 @@ class Streamer:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
 
     def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
+        t0 = time.perf_counter()
         staged, slab = self._slabs.carve(region, grad.shape, grad.dtype)
+        self.stats.slab_wait_s += time.perf_counter() - t0
         if grad.device.type == "cpu":
             entry = [staged.copy_(grad), None, None, slab]
         else:

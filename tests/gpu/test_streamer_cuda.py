@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatrain.runtime import streamer as streamer_mod
-from megatrain.runtime.host_store import home_parameters
+from megatrain.runtime.host_store import home_parameters, is_page_locked
 from megatrain.runtime.layout import FlatLayout
 
 pytestmark = pytest.mark.gpu
@@ -43,6 +43,7 @@ def test_fetched_weights_equal_a_bf16_cast(monkeypatch, chunk, budget):
                 p.add_(torch.randn_like(p))  # the next fetch must see the update
         torch.cuda.synchronize()
     assert (s._cast_chunk is not None) == (budget > numel * 2)
+    assert dict(s.stats.fetch_paths) == {"device-cast" if budget > numel * 2 else "host-cast": 1}
     assert s.stats.transfer_stall_s() >= 0.0
 
 
@@ -50,7 +51,8 @@ def test_homed_masters_are_page_locked_without_power_of_two_rounding():
     # 3 MB + a bit: the pinned allocator would round this up to 4 MB.
     params = [torch.nn.Parameter(torch.randn(786_433)), torch.nn.Parameter(torch.randn(7))]
     buf = home_parameters(params, pin=True)
-    assert buf.is_pinned() and all(p.is_pinned() for p in params)
+    # is_page_locked, not Tensor.is_pinned(): torch need not recognise registered memory
+    assert is_page_locked(buf) and all(is_page_locked(p) for p in params)
     assert buf.untyped_storage().nbytes() <= buf.numel() * 4 + 2 * 4096
     del buf
     params.clear()  # the last user unregisters the pages; nothing to observe but no error

@@ -33,7 +33,8 @@ def _version(package: str) -> str | None:
 
 def run_metadata() -> dict:
     """commit (and whether the tree was dirty), GPU name ("cpu" without CUDA), torch,
-    triton and python versions, and the local time, for one benchmark run."""
+    triton and python versions, the local time, and a run_id shared by every row of this
+    run (comparisons such as "vs resident-compiled" are only fair inside one run)."""
     try:
         commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
     except (OSError, subprocess.CalledProcessError):
@@ -41,11 +42,13 @@ def run_metadata() -> dict:
     # A copy of the tree on another machine may carry a stale .git or none: the caller
     # names the commit it copied.
     commit = os.environ.get("MEGATRAIN_COMMIT", commit)
+    now = time.localtime()
     return {
+        "run_id": f"{time.strftime('%Y%m%dT%H%M%S', now)}-{os.getpid()}",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "triton": _version("triton"),
         "python": platform.python_version(),
-        "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
     }
 
 

@@ -17,6 +17,8 @@ the parameter count.
     python bench/train.py --model 1.3b --tokens 16384 --seq 2048 \
         --systems resident-compiled,resident,fsdp2-offload,megatrain --gpu-memory 12GiB
     python bench/train.py --smoke        # CPU: tiny model, eager vs megatrain, checks the script
+    python bench/train.py --model 1.3b --layers 8,16,32,64 --systems megatrain ...  # depth
+        sweep at the 1.3B width (bench/depth_sweep.sh wraps it and prints the depth table)
 
 Systems:
   resident-compiled / resident  model, fp32 master and AdamW on the GPU, bf16 autocast,
@@ -24,9 +26,11 @@ Systems:
   fsdp2-offload            fully_shard(CPUOffloadPolicy(pin_memory=True)) at world size 1
   zero3-offload            DeepSpeed ZeRO-3 param+optimizer offload, when deepspeed imports
   megatrain                torch.compile(backend="megatrain") + megatrain.AdamW, bf16
-A system that cannot run (out of memory, missing package) is recorded with its error; a
-system whose host state cannot fit in host RAM is refused up front with the numbers.
-Rows are appended to --out (default bench/results/train.jsonl) as each system finishes.
+A system that cannot run (out of memory, missing package) is recorded with its error, one
+line with the bytes it needed and had; a system whose state cannot fit in host RAM (or, for
+the resident systems, in GPU memory) is refused up front with the numbers, before the model
+is built. Rows are appended to --out (default bench/results/train.jsonl) as each system
+finishes; `bench/readme_table.py` renders them as the README's table.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import argparse
 import collections
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,12 +48,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO / "bench"), str(REPO)]
 
 MODELS = {"1.3b": "1b", "3b": "3b", "8b": "8b", "tiny": "tiny"}  # bench name -> preset
 SYSTEMS = ("resident-compiled", "resident", "fsdp2-offload", "zero3-offload", "megatrain", "eager")
 HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf16 w and g
-FSDP_HOST_BYTES_PER_PARAM = 16  # fp32 param + grad + m + v, all in host RAM
+# Host RAM a system holds per parameter, checked against MemAvailable before the model is
+# built, so a model that cannot fit is refused with numbers instead of OOM-killed minutes in.
+# FSDP2: fp32 param + grad + m + v (16 B) plus the pinned allocator's power-of-two rounding:
+# ~18 B/param at 1.3B (baseline row, RSS less the CUDA context). megatrain: fp32 master, m,
+# v (12 B) plus gradient slabs: 12.5-13 predicted in NOTES.md (17.4 measured before the
+# pinned-rounding fixes), so the check is a floor: passing it does not promise a fit.
+HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "megatrain": 13}
+GPU_STATE_BYTES_PER_PARAM = 16  # resident: fp32 weight, grad, AdamW m and v on the GPU
+_phase = "setup"  # what the child was doing, for the out-of-memory line
 
 
 def _tokens(n: int, vocab: int):
@@ -60,13 +74,93 @@ def _tokens(n: int, vocab: int):
     return torch.from_numpy(np.tile(ids, reps)[:n].copy())
 
 
-def _model(name: str):
+def _config(name: str, layers: int | None = None):
+    """The preset's config; `layers` overrides its depth at the same width (depth sweep)."""
+    import dataclasses
+
+    from megatrain.models import PRESETS
+
+    cfg = PRESETS[MODELS[name]]
+    return dataclasses.replace(cfg, layers=layers) if layers else cfg
+
+
+def _model(name: str, layers: int | None = None):
     import torch
 
-    from megatrain.models import PRESETS, Llama
+    from megatrain.models import Llama
 
     torch.manual_seed(0)
-    return Llama(PRESETS[MODELS[name]])
+    return Llama(_config(name, layers))
+
+
+def _param_count(name: str, layers: int | None = None) -> int:
+    """Parameters of the model, counted on the meta device: no memory, no init time (8B)."""
+    import torch
+
+    from megatrain.models import Llama
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Llama(_config(name, layers)).parameters())
+
+
+def _refuse_if_unfit(system: str, n_params: int, device) -> None:
+    """SystemExit with the numbers when the system's state alone exceeds host RAM or, for
+    the resident systems, the GPU: cheaper than building an 8B model to find out."""
+    import torch
+
+    g = 2**30
+    if system in HOST_STATE_BYTES_PER_PARAM:
+        need, have = HOST_STATE_BYTES_PER_PARAM[system] * n_params, _mem_available()
+        if need > have:
+            raise SystemExit(f"{system}: host state {HOST_STATE_BYTES_PER_PARAM[system]} B/param x "
+                             f"{n_params / 1e9:.2f} G params = {need / g:.1f} GiB needed, "
+                             f"{have / g:.1f} GiB host RAM available (MemAvailable)")
+    if system in ("resident-compiled", "resident", "eager") and device.type == "cuda":
+        need = GPU_STATE_BYTES_PER_PARAM * n_params
+        have = torch.cuda.get_device_properties(device).total_memory
+        if need > have:
+            raise SystemExit(f"{system}: fp32 weights, grads and AdamW m, v alone are "
+                             f"{GPU_STATE_BYTES_PER_PARAM} B/param x {n_params / 1e9:.2f} G params = "
+                             f"{need / g:.1f} GiB, more than the GPU's {have / g:.1f} GiB")
+
+
+def _out_of_memory(e: BaseException | None) -> tuple[str, BaseException] | None:
+    """("gpu" or "host", the allocation failure) when `e` is one or wraps one (Dynamo wraps
+    errors raised while compiling); else None."""
+    import torch
+
+    for _ in range(10):
+        if e is None:
+            return None
+        if isinstance(e, torch.OutOfMemoryError) or "CUDA out of memory" in str(e):
+            return "gpu", e
+        if isinstance(e, MemoryError) or "can't allocate memory" in str(e):
+            return "host", e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _oom_line(kind: str, e: BaseException, args) -> str:
+    """One line for the row: where it ran out, what it asked for, what it had and needed."""
+    import torch
+
+    g = 2**30
+    n = _param_count(args.model, args.layers)
+    asked = re.search(r"(?:[Tt]ried to allocate|Unable to allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
+    asked = f"asked for {asked.group(1)}, " if asked else ""
+    if kind == "host":
+        return (f"{args.system}: out of host memory in {_phase} ({asked}peak RSS "
+                f"{_status('VmHWM') / g:.1f} GiB, MemAvailable now {_mem_available() / g:.1f} GiB; "
+                f"{n / 1e9:.3g} G params)")
+    device = torch.device(args.device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if args.system == "megatrain":
+        need = f"gpu_memory={args.gpu_memory}"
+    else:
+        need = (f"weights, grads and AdamW m, v alone are {GPU_STATE_BYTES_PER_PARAM} B/param x "
+                f"{n / 1e9:.3g} G params = {GPU_STATE_BYTES_PER_PARAM * n / g:.1f} GiB")
+    return (f"{args.system}: out of GPU memory in {_phase} ({asked}peak allocated "
+            f"{torch.cuda.max_memory_allocated(device) / g:.1f} GiB of {total / g:.1f} GiB; {need})")
 
 
 def _checkpoint_layers(model) -> None:
@@ -110,9 +204,7 @@ def run_probe(args) -> dict:
     pinned host-to-device copy, and host memory bandwidth as torch's fused AdamW uses it."""
     import torch
 
-    from megatrain.models import PRESETS
-
-    cfg = PRESETS[MODELS[args.model]]
+    cfg = _config(args.model)
     rows = min(args.tokens, 16384)
     a = torch.randn(rows, cfg.hidden, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(cfg.hidden, cfg.ffn, device="cuda", dtype=torch.bfloat16)
@@ -156,6 +248,7 @@ def _megatrain_stats(step_fn) -> dict:
 
 
 def run_system(args) -> dict:
+    global _phase
     import torch
 
     from megatrain.train.plan import model_flops_per_token
@@ -164,8 +257,11 @@ def run_system(args) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
+    _refuse_if_unfit(args.system, _param_count(args.model, args.layers), device)
     rss_base = _status("VmRSS")
-    model = _model(args.model)
+    _phase = "building the model"
+    model = _model(args.model, args.layers)
+    _phase = "setting up"
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -179,10 +275,6 @@ def run_system(args) -> dict:
         step_fn = torch.compile(model) if args.system == "resident-compiled" else model
         to_device = True
     elif args.system == "fsdp2-offload":
-        need, have = FSDP_HOST_BYTES_PER_PARAM * n_params, _mem_available()
-        if need > have:
-            raise SystemExit(f"FSDP2 CPU offload keeps fp32 params, grads and both moments in host "
-                             f"RAM: {need / 2**30:.1f} GiB needed, {have / 2**30:.1f} GiB available")
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
@@ -219,6 +311,8 @@ def run_system(args) -> dict:
 
     times, phases = [], []
     for i in range(args.steps):
+        compiling = i == 0 and args.system in ("resident-compiled", "megatrain")
+        _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
         x, y = data[i], data[i + 1]
         if to_device:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -228,8 +322,10 @@ def run_system(args) -> dict:
         with autocast:
             loss = step_fn(x, labels=y)
         t1 = time.perf_counter()
+        _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
         loss.backward()
         t2 = time.perf_counter()
+        _phase = f"step {i} optimizer"
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -248,7 +344,7 @@ def run_system(args) -> dict:
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]
     row = {
-        "system": args.system, "model": args.model, "params": n_params,
+        "system": args.system, "model": args.model, "layers": model.config.layers, "params": n_params,
         "tokens_per_step": args.tokens, "seq": args.seq, "step_s": step,
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
@@ -292,7 +388,8 @@ def _profile_step(args, step) -> None:
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
     sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    (out / f"profile_{args.system}_{args.model}_{args.tokens}.txt").write_text(
+    layers = args.layers or _config(args.model).layers
+    (out / f"profile_{args.system}_{args.model}_L{layers}_{args.tokens}.txt").write_text(
         f"{args.system} {args.model} {args.tokens} tokens: by GPU time\n"
         + events.table(sort_by=sort, row_limit=40, max_name_column_width=70)
         + "\nby host self time\n"
@@ -308,11 +405,30 @@ def _bound(row: dict, probe: dict, compiled_step: float | None) -> dict:
     return {**terms, "bound_s": bound, "fraction_of_bound": bound / row["step_s"]}
 
 
-def _child(args, argv, system: str) -> dict:
+def _error_text(stderr: str, returncode: int) -> str:
+    """The child's error for its row: the last exception with its whole message (Dynamo and
+    megatrain errors span lines), or the signal that killed it (SIGKILL: the OOM killer)."""
+    lines = stderr.strip().splitlines()
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        why = " (most likely the host's OOM killer)" if name == "SIGKILL" else ""
+        return f"killed by {name}{why}; last output: {lines[-1] if lines else '-'}"
+    if not lines:
+        return f"exit {returncode}"
+    tb = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
+    if tb is None:
+        return lines[-1]
+    start = next((i for i in range(tb + 1, len(lines)) if not lines[i].startswith(" ")), len(lines) - 1)
+    return " ".join(line.strip() for line in lines[start:start + 20])[:2000]
+
+
+def _child(args, argv, system: str, layers: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--system", system] + [a for a in argv if a != "--smoke"]
     if args.smoke:
         cmd += ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--tokens", "512",
                 "--seq", "64", "--steps", "4", "--warmup", "1"]
+    if layers:
+        cmd += ["--layers", str(layers)]  # argparse keeps the last: one depth per child
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -321,14 +437,15 @@ def _child(args, argv, system: str) -> dict:
     if r.returncode == 0:
         return json.loads(r.stdout.strip().splitlines()[-1])
     print(r.stderr[-3000:], file=sys.stderr)
-    lines = r.stderr.strip().splitlines()
-    return {"system": system, "error": lines[-1] if lines else f"exit {r.returncode}"}
+    return {"system": system, "error": _error_text(r.stderr, r.returncode)}
 
 
 def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="1.3b", choices=sorted(MODELS))
+    p.add_argument("--layers", default=None,
+                   help="layer count(s) at the preset's width, e.g. 8,16,32,64 (default: the preset's)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per step")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
@@ -350,35 +467,58 @@ def main(argv=None) -> int:
         args.model, args.device, args.precision, args.tokens, args.seq = "tiny", "cpu", "fp32", 512, 64
         args.systems, args.steps, args.warmup = "eager,megatrain", 4, 1
     if args.system:
-        print(json.dumps(run_probe(args) if args.system == "probe" else run_system(args)))
+        # a run child gets one depth (appended last); the probe measures widths only
+        args.layers = int(args.layers) if args.layers and args.system != "probe" else None
+        try:
+            row = run_probe(args) if args.system == "probe" else run_system(args)
+        except Exception as e:
+            oom = _out_of_memory(e)
+            if oom is None:
+                raise
+            raise SystemExit(_oom_line(*oom, args)) from None
+        print(json.dumps(row))
         return 0
     from _results import append_rows, run_metadata
 
-    meta = run_metadata()
-    probe = None if args.smoke else _child(args, argv, "probe")
-    rows = []
-    for system in args.systems.split(","):
+    systems = args.systems.split(",")
+    for system in systems:
         if system not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-        row = _child(args, argv, system)
-        row.update(model=args.model, tokens_per_step=args.tokens, seq=args.seq, **meta)
-        if probe and "error" not in probe and "error" not in row:
-            row["mfu"] = row["tflops"] / probe["matmul_tflops"]
-            row["probe"] = probe
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe")}), file=sys.stderr)
-        append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
-    compiled = next((r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r), None)
+    depths = [int(n) for n in args.layers.split(",")] if args.layers else [None]
+    meta = run_metadata()
+    start = time.perf_counter()
+    progress = lambda msg: print(f"[{time.perf_counter() - start:5.0f} s] {msg}", flush=True)  # noqa: E731
+    probe = None if args.smoke else _child(args, argv, "probe")
+    rows = []
+    for layers in depths:
+        for system in systems:
+            progress(f"{system} {args.model}" + (f" at {layers} layers" if layers else "") + " ...")
+            row = _child(args, argv, system, layers)
+            row.update(model=args.model, layers=row.get("layers") or _config(args.model, layers).layers,
+                       tokens_per_step=args.tokens, seq=args.seq, **meta)
+            if probe and "error" not in probe and "error" not in row:
+                row["mfu"] = row["tflops"] / probe["matmul_tflops"]
+                row["probe"] = probe
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe")}), file=sys.stderr)
+            append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
+            progress(f"  error: {row['error']}" if "error" in row else
+                     f"  {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, peak GPU "
+                     + (f"{row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else "-")
+                     + f", host {row['host_bytes_per_param']:.1f} B/param")
+    compiled_at = {r["layers"]: r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     print(f"probe: {probe}")
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "
           f"{'RSS GiB':>7s} {'B/par':>5s} {'vs comp':>7s} {'stall s':>7s} {'optw s':>6s} {'PCIe':>5s} {'bound':>5s}")
     for r in rows:
+        name = f"{r['system']} L{r['layers']}" if len(depths) > 1 else r["system"]
         if "error" in r:
-            print(f"{r['system']:18s} error: {r['error']}")
+            print(f"{name:18s} error: {r['error']}")
             continue
+        compiled = compiled_at.get(r["layers"])
         b = _bound(r, probe, compiled) if probe and "error" not in probe else {}
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
-        print(f"{r['system']:18s} {r['tokens_per_s']:8.0f} {r['tflops']:7.1f} {f('mfu', '5.2f')} "
+        print(f"{name:18s} {r['tokens_per_s']:8.0f} {r['tflops']:7.1f} {f('mfu', '5.2f')} "
               f"{r['step_s']:6.3f} {f('peak_gpu_gib', '7.1f')} {r['host_rss_gib']:7.1f} "
               f"{f('host_bytes_per_param', '5.1f')} {(compiled / r['step_s']) if compiled else float('nan'):7.2f} {f('transfer_stall_s', '7.3f')} "
               f"{f('optimizer_wait_s', '6.3f')} {f('pcie_gbs', '5.1f')} "

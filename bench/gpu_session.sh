@@ -1,18 +1,41 @@
 #!/usr/bin/env bash
-# One device-machine call: the GPU tests, then the side-by-side training benchmark, each
-# bounded so a slow part cannot starve the rest; logs and rows go to $OUT.
-#   bash bench/gpu_session.sh [pytest targets]        (default: tests/gpu tests/kernels)
-# Env: TEST_TIMEOUT (s, default 240), TRAIN_TIMEOUT (s, default 300), TRAIN_ARGS (replaces
-# the default bench/train.py arguments), MEGATRAIN_COMMIT (recorded in the rows).
+# One device-machine call: training benchmarks first (alone on the GPU, so their timings
+# are clean), then the GPU tests in parallel groups (correctness only; compiling dominates,
+# so groups share the CPUs and the GPU). Every part is bounded so a slow one cannot starve
+# the rest; logs, rows and profiles go to $OUT.
+#   bash bench/gpu_session.sh
+# Env:
+#   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
+#                  megatrain vs resident-compiled at 16k tokens with a profile); "" skips
+#   TRAIN_TIMEOUT  s per train run (default 300)
+#   TEST_GROUPS    pytest target groups separated by ';' (default: runtime+backend, kernels,
+#                  zoo); "" skips
+#   TEST_TIMEOUT   s for the test groups together (default 150)
+#   MEGATRAIN_COMMIT  recorded in the rows
 # Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD`.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())"
-MEGATRAIN_RESULTS=$OUT timeout "${TEST_TIMEOUT:-240}" python -m pytest -m gpu -q -p no:logging \
-  --tb=short --durations=0 ${@:-tests/gpu tests/kernels} 2>&1 | tee "$OUT/gpu_tests.log" \
-  | grep -E "passed|failed|^E |^FAILED" | tail -30
-# shellcheck disable=SC2086
-timeout "${TRAIN_TIMEOUT:-300}" python bench/train.py --out "$OUT/train.jsonl" \
-  ${TRAIN_ARGS:---model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,resident-compiled --profile $OUT} \
-  2>&1 | grep -v '^{' | tail -25
+python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
+
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,resident-compiled --profile $OUT"
+while IFS= read -r run; do
+  [ -z "$run" ] && continue
+  echo "== bench/train.py $run"
+  # shellcheck disable=SC2086
+  timeout "${TRAIN_TIMEOUT:-300}" python bench/train.py --out "$OUT/train.jsonl" $run 2>&1 \
+    | grep -v '^{' | grep -v '^\[' | tail -25
+done <<< "${TRAIN_RUNS-$default_run}"
+
+default_groups="tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_backend_cuda.py;tests/kernels;tests/gpu/test_zoo_cuda.py"
+IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
+for i in "${!groups[@]}"; do
+  # shellcheck disable=SC2086
+  MEGATRAIN_RESULTS=$OUT timeout "${TEST_TIMEOUT:-150}" python -m pytest -m gpu -v -p no:logging \
+    --tb=short ${groups[$i]} > "$OUT/tests_$i.log" 2>&1 &
+done
+wait
+if [ "${#groups[@]}" -gt 0 ]; then
+  cat "$OUT"/tests_*.log > "$OUT/gpu_tests.log" && rm -f "$OUT"/tests_*.log
+  grep -E "PASSED|FAILED|ERROR|XFAIL|SKIPPED|^E  " "$OUT/gpu_tests.log" | cut -c1-200 | tail -60
+fi

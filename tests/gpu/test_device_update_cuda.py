@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import megatrain.optim as mo
-from megatrain.runtime.host_store import home_parameters
+from megatrain.runtime.host_store import home_parameters, is_page_locked
 from megatrain.runtime.layout import FlatLayout
 
 pytestmark = pytest.mark.gpu
@@ -80,10 +80,11 @@ def test_cuda_update_matches_host_update_within_fp32_rounding(dtype):
         assert float(dev.state[P[k]]["step"]) == float(host.state[Q[k]]["step"]) == steps
         torch.testing.assert_close(P[k].detach(), Q[k].detach(), **PARAM_TOL, msg=k)
         for key, tol in TOL.items():
-            torch.testing.assert_close(dev.state[P[k]][key], host.state[Q[k]][key], **tol, msg=key)
+            torch.testing.assert_close(dev.state[P[k]][key], host.state[Q[k]][key], **tol,
+                                       msg=lambda m, key=key: f"{k}.{key}: {m}")
         assert (P[k] - start[k]).abs().max() > 1e3 * PARAM_TOL["atol"]  # it trained
         for key in TOL:
-            assert dev.state[P[k]][key].is_pinned()  # moved once into page-locked memory
+            assert is_page_locked(dev.state[P[k]][key])  # moved once into page-locked memory
 
 
 def _big_region(seed: int, pin: bool):

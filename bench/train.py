@@ -301,7 +301,8 @@ def run_system(args) -> dict:
 
             load_or_probe(device)
         opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=args.optim_threads)
-        options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch}
+        options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch,
+                   "updates": args.updates}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -352,6 +353,7 @@ def run_system(args) -> dict:
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         "final_loss": float(loss), "optim_threads": args.optim_threads, "prefetch": args.prefetch,
+        "updates": args.updates if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if args.system == "megatrain":
@@ -456,6 +458,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory", default=None)
     p.add_argument("--optim-threads", type=int, default=None, help="megatrain.AdamW threads")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
+    p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
+                   help="megatrain: where AdamW updates run (compile option `updates`)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
     p.add_argument("--profile", default=None,
                    help="directory: profile one more step per system, write its op tables there")

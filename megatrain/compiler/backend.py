@@ -19,6 +19,7 @@ from ..errors import MegatrainValueError, format_bytes
 from ..runtime import streamer as streamer_mod
 from ..runtime.host_store import home_parameters
 from . import explain as explain_mod
+from . import update_sites
 from .capture import check_inputs, rehome
 from .lower import lower
 from .options import Options, parse_options
@@ -82,6 +83,22 @@ def _check_region_budget(regions, params, region_params, opts: Options) -> None:
             f"activations")
 
 
+def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -> None:
+    """Decide where each region's AdamW update runs (update_sites.py), record it in the
+    plan and hand the device regions to the runtime."""
+    problem = plan.schedule.plan.schedule.problem
+    itemsize = opts.compute_dtype.itemsize
+    staging = streamer.cast_staging_bytes(update_sites.largest_fetch_params(problem, itemsize))
+    reserve = max(0, opts.gpu_memory - plan.predicted_peak_bytes - staging)
+    regions = update_sites.gradient_regions(handoffs)
+    sites = update_sites.choose_sites(
+        opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
+        streamed_params=update_sites.backward_streamed_params(problem, itemsize))
+    plan.update_sites, plan.update_reserve = sites, reserve
+    streamer.place_updates({g.region: list(g.pids) for g in regions if sites[g.region] == "device"},
+                           reserve)
+
+
 def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **kwargs):
     opts = parse_options({**(options or {}), **kwargs})
     _warn_graph_breaks(gm)
@@ -118,6 +135,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             per_param, per_region = collections.Counter(p for _, p in handoffs), collections.Counter(
                 r for r, _ in handoffs)
             streamer.expect_gradients(per_param, per_region)
+            _place_updates(plan, streamer, handoffs, cap.params, opts)
         return fw, bw
 
     def fw_compiler(fx_gm, inputs):
@@ -153,6 +171,8 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     for r in cap.regions.regions:
         own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
         home_parameters(own, pin=opts.device.type == "cuda")
+    if streamer.device_updates is not None and opts.device.type == "cuda":
+        streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
     explain_mod.record(plan)
     return compiled
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import MegatrainTypeError, MegatrainValueError
+from .update_sites import UPDATES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -51,6 +52,14 @@ class Options:
         `megatrain.compiler.fusions.PATTERNS`; True = all). Default: none, because on the
         H200 none beats Inductor's own code for its pattern in forward+backward yet
         (bench/results/kernels.jsonl); a kernel that loses is not used by default.
+    updates: where each region's megatrain.AdamW update runs: "auto" lets the cost model
+        choose per region (megatrain.compiler.update_sites), "host" keeps every update on
+        the host, "device" runs every region's update on the compute device where its
+        buffers fit the memory the plan leaves free. `megatrain.explain(...)` shows the
+        choice (GraphPlan.update_sites). Default "host" until "auto" is measured on the
+        GPU: its cost model counts the link's time but not that the device update's copies
+        (24 B/param) also load host memory, which the H200 profile shows is the step's
+        bottleneck at 1.3B (bench/results/NOTES.md).
     """
 
     device: torch.device
@@ -59,6 +68,7 @@ class Options:
     prefetch: int = 1
     lowering: str = "inductor"
     kernels: tuple[str, ...] = ()
+    updates: str = "host"
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -117,8 +127,13 @@ def parse_options(options: dict | None) -> Options:
     if lowering not in _LOWERINGS:
         raise MegatrainValueError(f"lowering={lowering!r}: use one of {_LOWERINGS}")
     kernels = _parse_kernels(options.get("kernels", False))
+    updates = options.get("updates", "host")
+    if not isinstance(updates, str) or updates not in UPDATES:
+        raise MegatrainValueError(
+            f"updates={updates!r}: use one of {UPDATES} (where each region's megatrain.AdamW "
+            f"update runs: chosen by the cost model, always the host, or the compute device)")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
-                   prefetch=prefetch, lowering=lowering, kernels=kernels)
+                   prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates)
 
 
 def _parse_kernels(value) -> tuple[str, ...]:

@@ -132,6 +132,17 @@ def device_bytes(region_params: int, grad_bytes: int = 2, tensors: int = 0) -> i
     return region_params * (DEVICE_LINK_BYTES + upcast) + 4 * tensors
 
 
+def held_bytes(shapes: Sequence[Sequence[int]]) -> int:
+    """Device bytes the megatrain runtime holds for one region's device update, exactly:
+    the region's gradients gathered as fp32 in one flat buffer (it copies each gradient
+    there as it is produced, because Inductor reuses a gradient's memory right after the
+    hand-off), plus what :meth:`DeviceUpdater.launch` allocates for fp32 contiguous
+    gradients (master, m, v laid out flat, no upcast, the step counts). About 16 bytes per
+    parameter, like :func:`device_bytes` with 16-bit gradients."""
+    grads = FlatLayout.of(shapes).numel
+    return 4 * (grads + FlatLayout.of(list(shapes) * 3).numel + len(shapes))
+
+
 def update_seconds(region_params: int, rates: "Rates", site: Site, *,
                    load: PhaseLoad = PhaseLoad(), grad_bytes: int = 2) -> float:
     """The phase's bound once this region's update runs at ``site``."""
@@ -519,6 +530,7 @@ __all__ = [
     "PhaseLoad",
     "assign_sites",
     "device_bytes",
+    "held_bytes",
     "host_bandwidth",
     "link_seconds",
     "update_load",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import graph_order
+from .device_updates import DeviceUpdates
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
@@ -144,6 +145,7 @@ class Streamer:
         self._early: dict[int, tuple[_Inflight, list[int]]] = {}
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
+        self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -157,6 +159,8 @@ class Streamer:
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
         self._phase, self._awaiting_first = "forward", True
+        if self.device_updates is not None:
+            self.device_updates.abandon()
         self.stats = StepStats()
         self.pool.reset_peak()
         if self.cuda:
@@ -371,6 +375,8 @@ class Streamer:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
 
     def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
+        if self.device_updates is not None and self.device_updates.take(grad, region, param_id):
+            return  # kept on the device for the region's device update
         t0 = time.perf_counter()
         staged, slab = self._slabs.carve(region, grad.shape, grad.dtype)
         self.stats.slab_wait_s += time.perf_counter() - t0
@@ -470,6 +476,23 @@ class Streamer:
                 by_owner.setdefault(id(opt), (opt, []))[1].append(p)
         for opt, ps in by_owner.values():
             opt.wait_params(ps)
+        if self.device_updates is not None:
+            self.device_updates.retire()
+
+    # -- updates on the device (device_updates.py; the sites: compiler/update_sites.py) ---
+    def place_updates(self, regions: dict[int, list[int]], reserve: int) -> None:
+        """Run the AdamW update of ``regions`` (region -> its parameter ids) on the device,
+        their buffers in flight held within ``reserve`` bytes beside the plan."""
+        streams = (self.h2d_stream, self.d2h_stream) if self.cuda else None
+        self.device_updates = (DeviceUpdates(self.device, self.pool, self.params, streams, regions, reserve)
+                               if regions else None)
+
+    def cast_staging_bytes(self, region_numel: int) -> int:
+        """Device bytes the weight path's cast staging may take beside the plan when the
+        largest fetch is ``region_numel`` parameters (only CUDA casts on the device)."""
+        if not self.cuda or self.compute_dtype == torch.float32:
+            return 0
+        return min(CAST_CHUNK, region_numel) * 4
 
     # -- gradients out -----------------------------------------------------------------
     def grad_to_host(self, grad: torch.Tensor, param_id: int) -> torch.Tensor:

@@ -172,3 +172,61 @@ def test_cuda_refusals():
     with pytest.raises(TypeError, match="copy_streams"):
         opt.submit_on_device(pinned, grads, "cuda", copy_streams=("a", "b"))
     assert not any(opt.state.values()) and not opt._final
+
+
+def _train_cuda(model, updates: str, batches):
+    """Three fp32 steps through the backend on CUDA with megatrain.AdamW."""
+    import copy
+
+    import megatrain
+
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    opt = mo.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = torch.compile(model, backend="megatrain",
+                         options={"device": "cuda", "precision": "fp32", "updates": updates})
+    losses = []
+    for ids, labels in batches:
+        loss = step(ids, labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return [p.detach().clone() for p in model.parameters()], losses, megatrain.explain(step).graphs[0]
+
+
+def test_backend_device_updates_match_host_updates_on_cuda():
+    """The streaming runtime with every region's AdamW on the GPU (gradients kept there,
+    master, m, v over the streamer's copy streams) against host updates, fp32, TF32 off.
+
+    Tolerance: step 1 sees the same gradients on both sides, so its parameters differ by
+    the few ulp above. From step 2 each side's gradients also differ (by ~1e-7 relative,
+    from those parameters and from atomics in CUDA reductions); AdamW's step
+    lr * m / (sqrt(v) + eps) is most sensitive to that where |g| ~ eps, by lr / (4 eps) per
+    unit of g: ~1e-6 per step at worst here. Hence atol=1e-5 (= lr / 300) beside rtol=1e-5:
+    a missed, stale or doubled update moves parameters by ~lr = 3e-3."""
+    from megatrain.models import Llama, LlamaConfig
+
+    from ..compiler.helpers import random_batches
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688,
+                                  rope_theta=10000.0, tie_embeddings=False))
+        batches = random_batches(512, 3, batch=2, seq=64)
+        dev, dev_losses, plan = _train_cuda(model, "device", batches)
+        host, host_losses, host_plan = _train_cuda(model, "host", batches)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    assert set(plan.update_sites.values()) == {"device"} and len(plan.update_sites) == 3 + 2
+    assert plan.streamer.device_updates.launched == 3 * 5
+    assert set(host_plan.update_sites.values()) == {"host"}
+    for a, b in zip(dev_losses, host_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (dev_losses, host_losses)
+    for (name, start), p, q in zip(model.named_parameters(), dev, host):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
+        assert (p - start.detach()).abs().max() > 1e-3, name  # it trained
+    assert plan.measured_peak_bytes <= plan.budget

@@ -1,0 +1,111 @@
+"""Where each region's AdamW update runs: on the host (megatrain.AdamW's worker) or on the
+compute device (``AdamW.submit_on_device``: master, m, v streamed in, updated, streamed
+back). Issue 4, item 7; the cost model and the mechanism are megatrain.optim.device_update.
+
+Decided once per compiled graph pair, after the planner, from:
+
+- the regions that hand gradients to megatrain.AdamW, in the order the backward completes
+  them (a region's update can start once its last gradient is out);
+- the rates the plan used (``StepSchedule.rates``) and the backward's own load: the weight
+  fetches it streams (``PhaseLoad.streaming``: the runtime DMAs fp32 masters);
+- the device memory the plan leaves free (the *reserve*, below).
+
+Policy (``updates`` option):
+
+- a region holding a parameter whose gradient arrives in pieces (a tied weight fetched by
+  two regions, or twice by one) stays on the host, where the pieces are summed;
+- so does a region whose device update would not fit the reserve on its own;
+- ``"host"``: every region on the host. ``"device"``: every other region on the device.
+  ``"auto"``: :func:`~megatrain.optim.device_update.assign_sites` over the other regions,
+  with the load of the fixed host regions added to the backward's streaming load: a
+  region goes to the device when that ends the backward's transfer phase sooner.
+
+Memory: a device update's buffers (``device_update.held_bytes``: ~16 bytes per parameter)
+live from the region's first gradient until the update's copy back completes, which a
+waiter thread observes: not a compute-stream span, so the planner's program (whose every
+allocation and free is a compute-stream op) cannot place them. They are not added to the
+planner's memory model; instead they must fit beside the plan's proven peak: the reserve
+is ``gpu_memory - predicted peak - the weight path's cast staging`` (which also lives
+outside the plan). A region goes to the device only if its update fits the reserve alone,
+and the runtime counts updates in flight against the reserve, waiting for earlier ones to
+finish (never changing the site) when the next one would not fit. So the plan's peak plus
+the updates in flight stay within ``gpu_memory``, and which path a region takes does not
+depend on timing. (One exception: should the streamer's pool hold more than the plan, e.g.
+a fetch started early for the next graph, and no update be in flight to wait for, that
+region takes the host path for that step rather than exceed ``gpu_memory``.)
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..optim import device_update as du
+from .costs import Rates
+from .planner import Problem
+
+UPDATES = ("auto", "host", "device")
+
+
+@dataclass(frozen=True)
+class GradientRegion:
+    """One region that hands gradients to megatrain.AdamW: its parameter ids, and whether
+    one of them also gets gradient pieces elsewhere (then the host sums them)."""
+
+    region: int
+    pids: tuple[int, ...]
+    shared: bool
+
+
+def gradient_regions(handoffs: Sequence[tuple[int, int]]) -> list[GradientRegion]:
+    """Regions from the backward's (region, param id) hand-offs, in the order their last
+    gradient is handed off (the order their updates can start)."""
+    pieces = collections.Counter(pid for _, pid in handoffs)
+    last: dict[int, int] = {}
+    pids: dict[int, list[int]] = {}
+    for i, (region, pid) in enumerate(handoffs):
+        last[region] = i
+        if pid not in pids.setdefault(region, []):
+            pids[region].append(pid)
+    return [GradientRegion(r, tuple(pids[r]), any(pieces[p] > 1 for p in pids[r]))
+            for r in sorted(last, key=last.__getitem__)]
+
+
+def backward_streamed_params(problem: Problem, itemsize: int) -> int:
+    """Parameters the backward fetches (weights read by recompute + backward), from the
+    planner's own problem: the streaming load device updates share the link with."""
+    nbytes = {w.id: w.nbytes for w in problem.weights}
+    return sum(nbytes[w] for r in problem.regions for w in r.reads("bw")) // itemsize
+
+
+def largest_fetch_params(problem: Problem, itemsize: int) -> int:
+    """Parameters of the largest single fetch (one planner region, one pass): what sizes
+    the weight path's device cast staging."""
+    nbytes = {w.id: w.nbytes for w in problem.weights}
+    return max((sum(nbytes[w] for w in r.reads(ph)) for r in problem.regions for ph in problem.phases),
+               default=0) // itemsize
+
+
+def choose_sites(mode: str, regions: Sequence[GradientRegion], params: Sequence[torch.Tensor],
+                 rates: Rates, *, streamed_params: int, grad_bytes: int,
+                 reserve: int) -> dict[int, du.Site]:
+    """Site per region (see the module docstring). Pure: the same inputs give the same
+    sites."""
+    assert mode in UPDATES, mode  # parse_options validated it
+    numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
+    free = [g.region for g in regions if mode != "host" and not g.shared
+            and du.held_bytes([params[p].shape for p in g.pids]) <= reserve]
+    sites: dict[int, du.Site] = {g.region: "host" for g in regions}
+    if mode == "device":
+        sites.update(dict.fromkeys(free, "device"))
+    elif mode == "auto" and free:
+        load = du.PhaseLoad.streaming(streamed_params)
+        for g in regions:
+            if g.region not in free:
+                load = load + du.update_load(numel[g.region], "host", grad_bytes)
+        chosen, _ = du.assign_sites([numel[r] for r in free], rates, load=load, grad_bytes=grad_bytes)
+        sites.update(zip(free, chosen))
+    return sites

@@ -109,10 +109,12 @@ def submit_step(opt: AdamW, regions, region_grads) -> None:
     opt.step()
 
 
-def staged_grads(regions):
-    """Per region, gradient views into one of two reusable slabs (the runtime's staging)."""
+def staged_grads(regions, dtype=torch.float32):
+    """Per region, gradient views into one of two reusable slabs (the runtime's staging;
+    its gradients arrive in the compute dtype, bf16 in mixed precision, and are upcast
+    inside the update)."""
     biggest = max(sum(p.numel() for p in ps) for ps in regions)
-    slabs = [torch.empty(biggest).uniform_(-1e-3, 1e-3) for _ in range(2)]
+    slabs = [torch.empty(biggest).uniform_(-1e-3, 1e-3).to(dtype) for _ in range(2)]
     out = []
     for r, ps in enumerate(regions):
         off, views = 0, []
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--regions", type=int, default=30)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--grad-dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype of the staged gradients (mt staging path)")
     p.add_argument("--out", default=str(REPO / "bench/results/adamw.jsonl"))
     args = p.parse_args(argv)
     n = int(args.params) if args.params else default_params()
@@ -151,7 +155,8 @@ def main(argv=None) -> int:
 
     # Memory: the runtime's path alone, gradients only in staging.
     ours = AdamW(params, threads=args.threads, **lr)
-    staged, _slabs = staged_grads(regions)
+    grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.grad_dtype]
+    staged, _slabs = staged_grads(regions, grad_dtype)
     submit_step(ours, regions, staged)  # warm-up: allocates m and v
     rss_per_param = (rss_bytes() - rss0) / n
 
@@ -191,6 +196,7 @@ def main(argv=None) -> int:
     for name, ts in times.items():
         med = statistics.median(ts)
         row = {**env, "path": name, "params": n, "regions": args.regions,
+               "grad_dtype": args.grad_dtype if name == "mt staging" else "fp32",
                "repeats": args.repeats, "median_s": med, "gparams_per_s": n / med / 1e9,
                "gbps_28B": 28 * n / med / 1e9, "ratio_vs_torch_fused": base / med}
         if name == "mt staging":

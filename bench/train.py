@@ -255,6 +255,7 @@ def run_system(args) -> dict:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    threads = [int(n) for n in args.optim_threads.split(",")] if args.optim_threads else []
     if cuda:
         torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
     _refuse_if_unfit(args.system, _param_count(args.model, args.layers), device)
@@ -300,7 +301,7 @@ def run_system(args) -> dict:
             from megatrain.runtime.probe import load_or_probe
 
             load_or_probe(device)
-        opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=args.optim_threads)
+        opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=threads[0] if threads else None)
         options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch,
                    "updates": args.updates}
         if args.gpu_memory:
@@ -310,36 +311,55 @@ def run_system(args) -> dict:
     else:
         raise SystemExit(f"unknown system {args.system!r}")
 
-    times, phases = [], []
-    for i in range(args.steps):
-        compiling = i == 0 and args.system in ("resident-compiled", "megatrain")
-        _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
-        x, y = data[i], data[i + 1]
-        if to_device:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        with autocast:
-            loss = step_fn(x, labels=y)
-        t1 = time.perf_counter()
-        _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
-        loss.backward()
-        t2 = time.perf_counter()
-        _phase = f"step {i} optimizer"
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        # Host time in each call: the host runs ahead of the GPU until something waits, so
-        # for megatrain backward ends when the last gradient is handed over, and step() is
-        # the optimizer's tail after backward.
-        phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
-                       "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
-        print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
-              f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
+    def run_steps(count: int, first: bool) -> tuple[list[float], list[dict]]:
+        global _phase
+        times, phases = [], []
+        for i in range(count):
+            compiling = first and i == 0 and args.system in ("resident-compiled", "megatrain")
+            _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
+            x, y = data[i], data[i + 1]
+            if to_device:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with autocast:
+                loss = step_fn(x, labels=y)
+            t1 = time.perf_counter()
+            _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
+            loss.backward()
+            t2 = time.perf_counter()
+            _phase = f"step {i} optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+            # Host time in each call: the host runs ahead of the GPU until something waits,
+            # so for megatrain backward ends when the last gradient is handed over, and
+            # step() is the optimizer's tail after backward.
+            phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
+                           "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0),
+                           "loss": float(loss)})
+            print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
+                  f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
+        return times, phases
+
+    times, phases = run_steps(args.steps, first=True)
+    loss = phases[-1].pop("loss")
+    for p in phases:
+        p.pop("loss", None)
+    # The thread sweep: the same compiled model and optimizer state, the host worker
+    # rebuilt with each further thread count (one warm-up step, then the timed ones).
+    sweep = []
+    if args.system == "megatrain" and len(threads) > 1:
+        sweep.append({"threads": opt.threads,
+                      "step_s": statistics.median(times[args.warmup:] or times[-1:])})
+        for n in threads[1:]:
+            opt.set_threads(n)
+            ts, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
+            sweep.append({"threads": n, "step_s": statistics.median(ts[1:])})
     if args.profile:
         _profile_step(args, lambda: _train_step(step_fn, opt, autocast, data[0], data[1], to_device, device))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
@@ -352,10 +372,12 @@ def run_system(args) -> dict:
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
-        "final_loss": float(loss), "optim_threads": args.optim_threads, "prefetch": args.prefetch,
+        "final_loss": loss, "optim_threads": threads[0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
+    if sweep:
+        row["threads_sweep"] = sweep
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
         row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9
@@ -456,7 +478,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
-    p.add_argument("--optim-threads", type=int, default=None, help="megatrain.AdamW threads")
+    p.add_argument("--optim-threads", default=None,
+                   help="megatrain.AdamW threads; a list (16,14,12) sweeps them in one process")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
@@ -509,7 +532,9 @@ def main(argv=None) -> int:
             progress(f"  error: {row['error']}" if "error" in row else
                      f"  {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, peak GPU "
                      + (f"{row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else "-")
-                     + f", host {row['host_bytes_per_param']:.1f} B/param")
+                     + f", host {row['host_bytes_per_param']:.1f} B/param"
+                     + (f", threads sweep {[(t['threads'], round(t['step_s'], 3)) for t in row['threads_sweep']]}"
+                        if row.get("threads_sweep") else ""))
     compiled_at = {r["layers"]: r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     print(f"probe: {probe}")
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "

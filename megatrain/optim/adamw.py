@@ -349,6 +349,16 @@ class AdamW(Optimizer):
             raise
         self._reindex()
 
+    def set_threads(self, threads: int) -> None:
+        """Run later updates with ``threads`` intra-op threads: the knob to tune against
+        the other threads of a training process (compute launch, copies, autograd) sharing
+        the cores. Waits for queued work first."""
+        checks.check_options(self.max_grad_norm, self.skip_nonfinite, threads)
+        self._worker.wait_all()
+        self._worker.shutdown()
+        self._worker = HostWorker(threads)
+        self._threads_arg = self.threads = threads
+
     def state_dict(self) -> dict[str, Any]:
         self._worker.wait_all()
         return super().state_dict()

@@ -637,6 +637,24 @@ def test_thread_setting_stays_in_the_worker():
     assert_same(P, Q, ours, ref)
 
 
+def test_set_threads_between_steps_keeps_results_exact():
+    """Changing the worker's thread count mid-training (the bench's thread sweep) changes
+    how the work is split, not the math: still bitwise torch's fused AdamW."""
+    P = make_problem(19)
+    Q = clone_problem(P)
+    ours = mo.AdamW(groups(P), threads=1)
+    ref = torch.optim.AdamW(groups(Q), fused=True)
+    train(P, ours, seed=19, steps=1, path="submit")
+    train(Q, ref, seed=19, steps=1)
+    ours.set_threads(2)
+    assert ours.threads == 2 and ours.state_dict()["state"]
+    train(P, ours, seed=20, steps=2, path="submit")
+    train(Q, ref, seed=20, steps=2)
+    assert_same(P, Q, ours, ref)
+    with pytest.raises(ValueError, match="threads"):
+        ours.set_threads(0)
+
+
 # ---- clipped updates overlap the next forward ------------------------------------------------
 
 

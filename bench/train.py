@@ -255,7 +255,9 @@ def run_system(args) -> dict:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    threads = [int(n) for n in args.optim_threads.split(",")] if args.optim_threads else []
+    # "16,8,8/fp32": thread counts, each optionally with the gradients' transfer dtype
+    threads = [(int(t.split("/")[0]), t.partition("/")[2] or "compute")
+               for t in args.optim_threads.split(",")] if args.optim_threads else []
     if cuda:
         torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
     _refuse_if_unfit(args.system, _param_count(args.model, args.layers), device)
@@ -301,7 +303,7 @@ def run_system(args) -> dict:
             from megatrain.runtime.probe import load_or_probe
 
             load_or_probe(device)
-        opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=threads[0] if threads else None)
+        opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=threads[0][0] if threads else None)
         options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch,
                    "updates": args.updates}
         if args.gpu_memory:
@@ -346,6 +348,13 @@ def run_system(args) -> dict:
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
         return times, phases
 
+    def set_grad_transfer(dtype: str) -> None:
+        for graph in megatrain.explain(step_fn).graphs:
+            if graph.streamer is not None:
+                graph.streamer.grad_transfer_dtype = {"compute": None, "fp32": torch.float32}[dtype]
+
+    if threads and threads[0][1] != "compute":
+        raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
     times, phases = run_steps(args.steps, first=True)
     loss = phases[-1].pop("loss")
     for p in phases:
@@ -354,12 +363,13 @@ def run_system(args) -> dict:
     # rebuilt with each further thread count (one warm-up step, then the timed ones).
     sweep = []
     if args.system == "megatrain" and len(threads) > 1:
-        sweep.append({"threads": opt.threads,
+        sweep.append({"threads": opt.threads, "grads": threads[0][1],
                       "step_s": statistics.median(times[args.warmup:] or times[-1:])})
-        for n in threads[1:]:
+        for n, dtype in threads[1:]:
             opt.set_threads(n)
+            set_grad_transfer(dtype)
             ts, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
-            sweep.append({"threads": n, "step_s": statistics.median(ts[1:])})
+            sweep.append({"threads": n, "grads": dtype, "step_s": statistics.median(ts[1:])})
     if args.profile:
         _profile_step(args, lambda: _train_step(step_fn, opt, autocast, data[0], data[1], to_device, device))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
@@ -372,7 +382,7 @@ def run_system(args) -> dict:
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
-        "final_loss": loss, "optim_threads": threads[0] if threads else None, "prefetch": args.prefetch,
+        "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
@@ -533,7 +543,7 @@ def main(argv=None) -> int:
                      f"  {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, peak GPU "
                      + (f"{row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else "-")
                      + f", host {row['host_bytes_per_param']:.1f} B/param"
-                     + (f", threads sweep {[(t['threads'], round(t['step_s'], 3)) for t in row['threads_sweep']]}"
+                     + (f", threads sweep {[(str(t['threads']) + '/' + t['grads'], round(t['step_s'], 3)) for t in row['threads_sweep']]}"
                         if row.get("threads_sweep") else ""))
     compiled_at = {r["layers"]: r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     print(f"probe: {probe}")

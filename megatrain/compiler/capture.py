@@ -85,6 +85,12 @@ def check_inputs(gm: fx.GraphModule, example_inputs) -> None:
 
 
 def _replace_device_constants(gm: fx.GraphModule, device: torch.device) -> None:
+    """Every CPU device the user's graph names means "where the model lives": dynamo traced
+    a CPU model with CPU inputs, so `x.to(h.device)`, `torch.arange(n, device=h.device)`
+    and `.cpu()` were baked as the CPU (Hugging Face's rotary embedding moves `inv_freq` with
+    `.to(x.device)`, its losses move labels with `.to(logits.device)`). On the compute device
+    they must all mean the compute device, or the first op mixing them fails. Graph outputs
+    go back to the host afterwards, explicitly (`rehome`)."""
     cpu = torch.device("cpu")
 
     def fix(a):
@@ -97,8 +103,9 @@ def _replace_device_constants(gm: fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        if node.op == "call_method" and node.target in ("to", "cpu"):
-            continue  # explicit user transfers keep their meaning; outputs are handled below
+        if node.op == "call_method" and node.target == "cpu":
+            node.target, node.kwargs = "to", {**node.kwargs, "device": device}
+            continue
         node.args = fx.node.map_aggregate(node.args, fix)
         node.kwargs = fx.node.map_aggregate(node.kwargs, fix)
         if node.op == "call_function" and node.target in _FACTORIES and node.kwargs.get("device") is None:

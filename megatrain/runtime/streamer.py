@@ -146,6 +146,10 @@ class Streamer:
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
+        # Gradients cross to the host in the compute dtype (bf16: half the link's bytes), or
+        # upcast on the GPU first (fp32: the host optimizer skips its own upcast pass).
+        # Which is faster is a measurement (bench/train.py --optim-threads 8/fp32).
+        self.grad_transfer_dtype: torch.dtype | None = None  # None: the compute dtype
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -234,8 +238,8 @@ class Streamer:
     def _start_fetch(self, region: int, host_params: list[torch.Tensor]) -> _Inflight:
         lay = self.layout([p.shape for p in host_params])
         nbytes = lay.numel * self.compute_dtype.itemsize
-        # This region's gradients come back in the compute dtype (fp32 on the CPU path).
-        grad_size = self.compute_dtype.itemsize if self.cuda else 4
+        # This region's gradients come back in the transfer dtype (fp32 on the CPU path).
+        grad_size = (self.grad_transfer_dtype or self.compute_dtype).itemsize if self.cuda else 4
         self._slabs.reserve(lay.numel * grad_size + 64 * len(host_params))
         if self._cast_chunk is not None and self.pool.live + nbytes > self.pool.budget:
             self._drop_cast_chunk()  # the plan's buffers come first; staging is a bonus
@@ -378,7 +382,8 @@ class Streamer:
         if self.device_updates is not None and self.device_updates.take(grad, region, param_id):
             return  # kept on the device for the region's device update
         t0 = time.perf_counter()
-        staged, slab = self._slabs.carve(region, grad.shape, grad.dtype)
+        dtype = grad.dtype if grad.device.type == "cpu" else self.grad_transfer_dtype or grad.dtype
+        staged, slab = self._slabs.carve(region, grad.shape, dtype)
         self.stats.slab_wait_s += time.perf_counter() - t0
         if grad.device.type == "cpu":
             entry = [staged.copy_(grad), None, None, slab]
@@ -518,11 +523,11 @@ class Streamer:
         a gradient's memory to the next kernel right after the hand-off op (buffer reuse the
         allocator never sees, so holding `grad` does not protect it), and a copy on another
         stream that only waited for `grad`'s producer could read memory already overwritten.
-        The device clone runs at HBM speed (~1 ms per GB) against PCIe's ~20 ms per GB.
-        Returns the event marking the host copy complete and the snapshot, which the caller
+        The device clone runs at HBM speed (~1 ms per GB) against PCIe's ~20 ms per GB;
+        it is also where a gradient is upcast when `staged` is wider. Returns the event marking the host copy complete and the snapshot, which the caller
         keeps alive until then."""
-        self.stats.d2h_bytes += grad.numel() * grad.element_size()
-        snapshot = grad.clone()
+        self.stats.d2h_bytes += staged.numel() * staged.element_size()
+        snapshot = grad.clone() if staged.dtype == grad.dtype else grad.to(staged.dtype)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event()

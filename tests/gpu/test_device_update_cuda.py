@@ -9,7 +9,12 @@ differently, so each step may round m, v and the update differently by an ulp or
 gradients here are the same tensors on both sides (no feedback through a loss), so the
 difference does not grow beyond that: after S steps |dp| <= ~S ulp(p) (p ~ 0.5: 6e-8 per
 ulp), hence params rtol=1e-5, atol=1e-6; m (magnitude ~|g| <= ~4, may cancel towards 0):
-rtol=1e-5, atol=1e-6; v (a sum of squares, no cancellation): rtol=1e-5, atol=1e-9. One
+rtol=1e-5, atol=1e-6. v (a sum of squares, no cancellation) differs by more than ulps, by
+design of the two kernels: the CUDA one forms ``1 - beta2`` in fp32 (1 - 0.999f =
+1.0000467e-3, 4.7e-5 off), the CPU one in double; on the H200 the largest relative gap in
+v was 1.31e-5, exactly what fp32 vs double coefficients give on the CPU (measured
+in session 4). Hence v: rtol=3e-5, atol=1e-9; a wrong beta2 or a missed step moves v by
+>= 1e-3 relative. One
 update moves parameters by ~lr = 1e-2 and a missed weight decay by ~lr * wd * |p| = 5e-4
 per step: both far above these tolerances, so a wrong step, hyperparameter or group
 would fail. Step counts must be equal exactly.
@@ -29,7 +34,7 @@ from megatrain.runtime.layout import FlatLayout
 pytestmark = pytest.mark.gpu
 
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
-TOL = {"exp_avg": dict(rtol=1e-5, atol=1e-6), "exp_avg_sq": dict(rtol=1e-5, atol=1e-9)}
+TOL = {"exp_avg": dict(rtol=1e-5, atol=1e-6), "exp_avg_sq": dict(rtol=3e-5, atol=1e-9)}
 
 SHAPES = {"w1": (64, 33), "b1": (64,), "w2": (257, 64), "gain": (257,), "mix": (2, 3, 7)}
 GROUPS = [
@@ -227,6 +232,6 @@ def test_backend_device_updates_match_host_updates_on_cuda():
     for a, b in zip(dev_losses, host_losses):
         assert abs(a - b) / abs(b) < 1e-5, (dev_losses, host_losses)
     for (name, start), p, q in zip(model.named_parameters(), dev, host):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         assert (p - start.detach()).abs().max() > 1e-3, name  # it trained
     assert plan.measured_peak_bytes <= plan.budget

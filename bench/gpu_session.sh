@@ -30,9 +30,9 @@ done <<< "${TRAIN_RUNS-$default_run}"
 default_groups="tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_backend_cuda.py;tests/kernels;tests/gpu/test_zoo_cuda.py"
 IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
 for i in "${!groups[@]}"; do
-  # shellcheck disable=SC2086
-  MEGATRAIN_RESULTS=$OUT timeout "${TEST_TIMEOUT:-150}" python -m pytest -m gpu -v -p no:logging \
-    --tb=short ${groups[$i]} > "$OUT/tests_$i.log" 2>&1 &
+  # eval: a group may quote its arguments (-k 'a or b')
+  eval "MEGATRAIN_RESULTS=\$OUT timeout \"\${TEST_TIMEOUT:-150}\" python -m pytest -m gpu -v \
+    -p no:logging --tb=short ${groups[$i]}" > "$OUT/tests_$i.log" 2>&1 &
 done
 wait
 if [ "${#groups[@]}" -gt 0 ]; then

@@ -255,8 +255,8 @@ def run_system(args) -> dict:
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    # "16,8,8/fp32": thread counts, each optionally with the gradients' transfer dtype
-    threads = [(int(t.split("/")[0]), t.partition("/")[2] or "compute")
+    # "16,8,8/bf16": thread counts, each optionally with the gradients' transfer dtype
+    threads = [(int(t.split("/")[0]), t.partition("/")[2] or "default")
                for t in args.optim_threads.split(",")] if args.optim_threads else []
     if cuda:
         torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
@@ -351,9 +351,11 @@ def run_system(args) -> dict:
     def set_grad_transfer(dtype: str) -> None:
         for graph in megatrain.explain(step_fn).graphs:
             if graph.streamer is not None:
-                graph.streamer.grad_transfer_dtype = {"compute": None, "fp32": torch.float32}[dtype]
+                graph.streamer.grad_transfer_dtype = {
+                    "default": torch.float32, "fp32": torch.float32,
+                    "bf16": torch.bfloat16}[dtype]
 
-    if threads and threads[0][1] != "compute":
+    if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
     times, phases = run_steps(args.steps, first=True)
     loss = phases[-1].pop("loss")
@@ -489,7 +491,8 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
     p.add_argument("--optim-threads", default=None,
-                   help="megatrain.AdamW threads; a list (16,14,12) sweeps them in one process")
+                   help="megatrain.AdamW threads; a list (16,8,8/bf16) sweeps them in one process, "
+                        "each optionally with the gradients' transfer dtype")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")

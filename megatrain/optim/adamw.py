@@ -359,6 +359,14 @@ class AdamW(Optimizer):
         self._worker = HostWorker(threads)
         self._threads_arg = self.threads = threads
 
+    def prefer_threads(self, threads: int) -> None:
+        """A runtime's suggestion, applied only when the user left ``threads`` unset: the
+        streaming runtime asks for fewer threads than cores because the host update shares
+        them (and host memory bandwidth) with copies, the launch thread and autograd."""
+        if self._threads_arg is None and threads != self.threads:
+            self.set_threads(threads)
+            self._threads_arg = None
+
     def state_dict(self) -> dict[str, Any]:
         self._worker.wait_all()
         return super().state_dict()

@@ -655,6 +655,17 @@ def test_set_threads_between_steps_keeps_results_exact():
         ours.set_threads(0)
 
 
+def test_prefer_threads_applies_only_when_threads_were_left_unset():
+    chosen = mo.AdamW(groups(make_problem(21)), threads=1)
+    chosen.prefer_threads(2)
+    assert chosen.threads == 1
+    unset = mo.AdamW(groups(make_problem(22)))
+    unset.prefer_threads(1)
+    assert unset.threads == 1
+    unset.prefer_threads(2)  # still the user's default, so a later suggestion applies too
+    assert unset.threads == 2
+
+
 # ---- clipped updates overlap the next forward ------------------------------------------------
 
 

@@ -42,13 +42,20 @@ def _(param, streamer, region, param_id, to_optimizer):
 
 
 def _fetch_setup(ctx, inputs, output):
-    _, ctx.streamer, ctx.region, ctx.param_id, ctx.to_optimizer = inputs
+    param, ctx.streamer, ctx.region, ctx.param_id, ctx.to_optimizer = inputs
+    if ctx.to_optimizer:
+        ctx.save_for_backward(param)
 
 
 def _fetch_backward(ctx, grad):
     if ctx.to_optimizer:
-        # Fast path: the gradient goes straight to megatrain.AdamW; no p.grad is kept.
-        torch.ops.megatrain.grad_to_optimizer(grad, ctx.streamer, ctx.region, ctx.param_id)
+        # Fast path: the gradient goes straight to megatrain.AdamW; no p.grad is kept. The
+        # parameter travels with the call: dynamo may run one graph for several modules of
+        # the same code (a graph break inside a layer compiles the layer's forward once
+        # and calls it for every layer, each with its own parameters), so `param_id` names
+        # a slot of the graph, not a parameter.
+        (param,) = ctx.saved_tensors
+        torch.ops.megatrain.grad_to_optimizer(grad, ctx.streamer, ctx.region, ctx.param_id, param)
         return None, None, None, None, None
     return torch.ops.megatrain.grad_to_host(grad, ctx.streamer, ctx.param_id), None, None, None, None
 
@@ -68,12 +75,12 @@ def _(grad, streamer, param_id):
 
 
 @torch.library.custom_op("megatrain::grad_to_optimizer", mutates_args=())
-def grad_to_optimizer(grad: Tensor, streamer: int, region: int, param_id: int) -> None:
-    _s(streamer).grad_to_optimizer(grad, region, param_id)
+def grad_to_optimizer(grad: Tensor, streamer: int, region: int, param_id: int, param: Tensor) -> None:
+    _s(streamer).grad_to_optimizer(grad, region, param_id, param)
 
 
 @grad_to_optimizer.register_fake
-def _(grad, streamer, region, param_id):
+def _(grad, streamer, region, param_id, param):
     return None
 
 

@@ -10,7 +10,8 @@
     work_fw/bw   peak transient bytes while a unit runs: a liveness walk of the graph
                  without weights and saved outputs (planner buffers); a weight gradient
                  counts until the hand-off after its own (the runtime frees finished
-                 copies there), so the planner holds no whole-region gradient buffer
+                 copies there), so the planner holds no whole-region gradient buffer; on
+                 CUDA at fp32 size (it leaves from an fp32 snapshot)
     flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
     inputs       the activation DAG: unit A reads an output of unit B in the forward
 
@@ -75,7 +76,10 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         bw_order += [u for u in reversed(fw_order) if u not in b.hull]
         pos = {u: i for i, u in enumerate(bw_order)}
         tangents = [n for n in b.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
-        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=b.gradient_lives(), inputs=tangents)
+        lives = b.gradient_lives()
+        if sizes.device.type == "cuda":
+            sizes.fp32_snapshots = set(lives)
+        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents)
         for u, extra in b.self_saved(f, sizes).items():
             work_bw[u] = work_bw.get(u, 0) + extra
         for u in fw_order:
@@ -410,6 +414,13 @@ class _Sizes:
     def __init__(self, device: torch.device):
         self.device = device
         self.env = None  # the ShapeEnv of the first symbolic size seen
+        # Weight gradients that leave the GPU from an fp32 snapshot (runtime/streamer.py:
+        # the upcast copy outlives the gradient, to the next hand-off): counted at 4 bytes
+        # per element over the gradient's whole life, which errs on the side of more.
+        self.fp32_snapshots: set[fx.Node] = set()
+
+    def _itemsize(self, n: fx.Node, x: torch.Tensor) -> int:
+        return max(x.element_size(), 4) if n in self.fp32_snapshots else x.element_size()
 
     def expr(self, v):
         if isinstance(v, (torch.SymInt, torch.SymFloat)):
@@ -428,13 +439,13 @@ class _Sizes:
             numel = sympy.Integer(1)
             for s in x.shape:
                 numel *= self.expr(s)
-            total += numel * x.element_size()
+            total += numel * self._itemsize(n, x)
         return total
 
     def hint(self, n: fx.Node) -> int:
         from .sizes import tensor_nbytes
 
-        return sum(tensor_nbytes(x) for x in self._tensors(n))
+        return sum(tensor_nbytes(x) * self._itemsize(n, x) // x.element_size() for x in self._tensors(n))
 
     def total(self, nodes) -> object:
         return sympy.expand(sum((self.bytes(n) for n in nodes), sympy.Integer(0)))

@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ from .device_updates import DeviceUpdates
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
+from ..errors import UnsupportedError
 from ..optim.registry import owner_of
 from .pool import DevicePool
 
@@ -55,6 +57,25 @@ def register(streamer: "Streamer") -> int:
 
 def get(index: int) -> "Streamer":
     return _REGISTRY[index]
+
+
+# id(parameter) -> the streamers (compiled graphs) that hand its gradient to an optimizer.
+# A parameter handed in by two graphs (a weight tied across a graph break) gets a gradient
+# from each backward, and neither graph knows whether its own is the step's last: such a
+# parameter's gradients go to p.grad, summed like autograd does, and step() applies them.
+_HANDOFF_GRAPHS: dict[int, set[int]] = {}
+
+
+def _note_handoff_graph(param: torch.Tensor, streamer: int) -> None:
+    graphs = _HANDOFF_GRAPHS.get(id(param))
+    if graphs is None:
+        graphs = _HANDOFF_GRAPHS[id(param)] = set()
+        weakref.finalize(param, _HANDOFF_GRAPHS.pop, id(param), None)
+    graphs.add(streamer)
+
+
+def _handed_off_by_several_graphs(param: torch.Tensor) -> bool:
+    return len(_HANDOFF_GRAPHS.get(id(param), ())) > 1
 
 
 @dataclass
@@ -131,6 +152,7 @@ class Streamer:
         self._expect_param: dict[int, int] = {}
         self._expect_region: dict[int, int] = {}
         self._contrib: dict[int, list] = collections.defaultdict(list)
+        self._bound: dict[int, torch.Tensor] = {}  # param_id -> the parameter this backward
         self._region_seen: dict[int, int] = collections.defaultdict(int)
         self._ready: dict[int, list[int]] = collections.defaultdict(list)
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
@@ -377,12 +399,24 @@ class Streamer:
         (a tied weight sends one per region that fetched it)."""
         self._expect_param = dict(per_param)
         self._expect_region = dict(per_region)
+        for pid in per_param:
+            _note_handoff_graph(self.params[pid], self.index)
         if self._handoff is None:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
 
-    def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int) -> None:
-        if self.device_updates is not None and self.device_updates.take(grad, region, param_id):
-            return  # kept on the device for the region's device update
+    def grad_to_optimizer(self, grad: torch.Tensor, region: int, param_id: int,
+                          param: torch.Tensor) -> None:
+        """Hand `grad`, the gradient of `param` (graph slot `param_id`: the same graph may
+        run for several modules, each with its own parameters), to `param`'s optimizer."""
+        if self.device_updates is not None:
+            if param is not self.params[param_id]:
+                raise UnsupportedError(
+                    f"updates='device' with a graph that dynamo runs for several modules (slot "
+                    f"{param_id} of region {region} got a parameter of shape {tuple(param.shape)} "
+                    "other than the one it was compiled with; a graph break inside a repeated "
+                    "layer does this): use updates='host', or remove the graph break")
+            if self.device_updates.take(grad, region, param_id):
+                return  # kept on the device for the region's device update
         t0 = time.perf_counter()
         dtype = grad.dtype if grad.device.type == "cpu" else self.grad_transfer_dtype or grad.dtype
         staged, slab = self._slabs.carve(region, grad.shape, dtype)
@@ -397,6 +431,7 @@ class Streamer:
             entry = [staged, done, snapshot, slab]
             self._in_flight.append(entry)
         self._contrib[param_id].append(entry)
+        self._bound[param_id] = param
         if len(self._contrib[param_id]) == self._expect_param[param_id]:
             self._ready[region].append(param_id)
         self._region_seen[region] += 1
@@ -404,11 +439,12 @@ class Streamer:
             del self._region_seen[region]  # the next backward counts afresh
             pids = self._ready.pop(region, [])
             parts = [self._contrib.pop(i) for i in pids]
+            params = [self._bound.pop(i) for i in pids]
             slab = self._slabs.seal(region)
             # Contributions of tied weights still waiting for another region sit in this
             # slab too: the hand-off moves them out before it frees the slab.
             waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
-            self._handoffs.append(self._handoff.submit(self._hand_over, pids, parts, slab, waiting))
+            self._handoffs.append(self._handoff.submit(self._hand_over, params, parts, slab, waiting))
 
     def _release_copied(self) -> None:
         """Drop device gradients whose device-to-host copy has completed."""
@@ -420,11 +456,12 @@ class Streamer:
                 keep.append(entry)
         self._in_flight = keep
 
-    def _hand_over(self, pids: list[int], parts: list[list], slab, waiting: list[list]) -> None:
+    def _hand_over(self, params: list[torch.Tensor], parts: list[list], slab,
+                   waiting: list[list]) -> None:
         """On the hand-off thread: hand one region's gradients to their optimizer, then
         free its slab (after moving out contributions that wait for another region)."""
         try:
-            self._submit_gradients(pids, parts)
+            self._submit_gradients(params, parts)
             for entry in waiting:
                 if entry[1] is not None:
                     entry[1].synchronize()
@@ -433,11 +470,11 @@ class Streamer:
             if slab is not None:
                 self._slabs.release(slab)
 
-    def _submit_gradients(self, pids: list[int], parts: list[list]) -> None:
+    def _submit_gradients(self, params: list[torch.Tensor], parts: list[list]) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
         optimizer has consumed them. A single contribution goes in its compute dtype: the
         optimizer upcasts it in cache-sized chunks, which a p.grad fallback does at once."""
-        if not pids:
+        if not params:
             return
         grads = []
         for contributions in parts:
@@ -450,13 +487,13 @@ class Streamer:
                 else:
                     total = staged.to(torch.float32, copy=True) if total is None else total.add_(staged)
             grads.append(total)
-        params = [self.params[i] for i in pids]
         owners = {}
         for p, g in zip(params, grads):
             opt = owner_of(p)
-            if opt is None:
-                # The optimizer this graph was compiled for is gone: keep the gradient
-                # where any torch optimizer finds it, like autograd would.
+            if opt is None or _handed_off_by_several_graphs(p):
+                # The optimizer this graph was compiled for is gone, or another graph
+                # hands in a gradient of `p` too: keep the gradient where any torch
+                # optimizer finds it, summed like autograd would; step() applies it.
                 g = g.to(p.dtype, copy=True)  # its own memory: the slab is reused
                 p.grad = g if p.grad is None else p.grad.add_(g)
                 continue

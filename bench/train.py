@@ -308,6 +308,8 @@ def run_system(args) -> dict:
                    "updates": args.updates}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
+        if args.kernels:
+            options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
         autocast = torch.autocast(device.type, enabled=False)
     else:
@@ -386,6 +388,7 @@ def run_system(args) -> dict:
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
+        "kernels": args.kernels if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if sweep:
@@ -496,6 +499,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
+    p.add_argument("--kernels", default=None,
+                   help="megatrain: compile option `kernels`, comma-separated patterns (e.g. rmsnorm) "
+                        "or 'all'; default: the backend's")
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
     p.add_argument("--profile", default=None,
                    help="directory: profile one more step per system, write its op tables there")

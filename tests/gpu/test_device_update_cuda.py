@@ -206,11 +206,14 @@ def test_backend_device_updates_match_host_updates_on_cuda():
     master, m, v over the streamer's copy streams) against host updates, fp32, TF32 off.
 
     Tolerance: step 1 sees the same gradients on both sides, so its parameters differ by
-    the few ulp above. From step 2 each side's gradients also differ (by ~1e-7 relative,
-    from those parameters and from atomics in CUDA reductions); AdamW's step
-    lr * m / (sqrt(v) + eps) is most sensitive to that where |g| ~ eps, by lr / (4 eps) per
-    unit of g: ~1e-6 per step at worst here. Hence atol=1e-5 (= lr / 300) beside rtol=1e-5:
-    a missed, stale or doubled update moves parameters by ~lr = 3e-3."""
+    the few ulp above. From step 2 each side's gradients also differ, by ~1e-7 relative to
+    the terms they are summed from; AdamW's step lr * m / (sqrt(v) + eps) is most sensitive
+    to that where |g| ~ eps, by lr / (4 eps) per unit of g. An element whose gradient
+    cancels to ~eps from terms of ~1e-2 can then move by a few percent of lr: on the H200
+    one embedding element of 131072 differed by 5.9e-5 (lr / 50), the same element in two
+    runs. Hence: every element within lr / 10 (3e-4), and all but 1e-4 of them within
+    rtol=1e-5, atol=1e-5 (= lr / 300). A missed, stale or doubled update moves most
+    parameters by ~lr = 3e-3."""
     from megatrain.models import Llama, LlamaConfig
 
     from ..compiler.helpers import random_batches
@@ -232,6 +235,8 @@ def test_backend_device_updates_match_host_updates_on_cuda():
     for a, b in zip(dev_losses, host_losses):
         assert abs(a - b) / abs(b) < 1e-5, (dev_losses, host_losses)
     for (name, start), p, q in zip(model.named_parameters(), dev, host):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(p, q, rtol=0, atol=3e-4, msg=lambda m, name=name: f"{name}: {m}")
+        outside = ((p - q).abs() > 1e-5 + 1e-5 * q.abs()).float().mean().item()
+        assert outside <= 1e-4, f"{name}: {outside:.2e} of the elements beyond rtol=atol=1e-5"
         assert (p - start.detach()).abs().max() > 1e-3, name  # it trained
     assert plan.measured_peak_bytes <= plan.budget

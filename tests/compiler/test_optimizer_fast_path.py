@@ -53,22 +53,26 @@ def test_fast_path_matches_eager_adamw(lowering):
     assert "grad_to_optimizer" in graph.backward_code and "grad_to_host" not in graph.backward_code
 
 
+def _accumulated_step(ref, opt_ref, step, opt, micro) -> None:
+    """One optimizer step over `micro` batches, eager and streamed (every backward but the
+    last inside opt.accumulate())."""
+    for i, (ids, labels) in enumerate(micro):
+        (ref(ids, labels=labels) / len(micro)).backward()
+        if i < len(micro) - 1:
+            with opt.accumulate():
+                (step(ids, labels=labels) / len(micro)).backward()
+        else:
+            (step(ids, labels=labels) / len(micro)).backward()
+    for o in (opt_ref, opt):
+        o.step()
+        o.zero_grad()
+
+
 def test_gradient_accumulation_counts_every_micro_batch():
     ref, opt_ref, streamed, opt, step = _pair()
     batches = random_batches(160, 6, batch=2, seq=16)
     for start in (0, 3):
-        micro = batches[start:start + 3]
-        for i, (ids, labels) in enumerate(micro):
-            (ref(ids, labels=labels) / len(micro)).backward()
-            if i < len(micro) - 1:
-                with opt.accumulate():
-                    (step(ids, labels=labels) / len(micro)).backward()
-            else:
-                (step(ids, labels=labels) / len(micro)).backward()
-        opt_ref.step()
-        opt.step()
-        opt_ref.zero_grad()
-        opt.zero_grad()
+        _accumulated_step(ref, opt_ref, step, opt, batches[start:start + 3])
     # A dropped micro-batch moves parameters by ~lr (3e-3) relative: far above this bound.
     assert rel(flat(streamed.parameters()), flat(ref.parameters())) < 1e-4
 
@@ -163,18 +167,7 @@ def test_graph_breaks_with_the_optimizer_fast_path(where, micro_batches):
     batches = random_batches(160, 3 * micro_batches, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         for s in range(3):
-            micro = batches[s * micro_batches:(s + 1) * micro_batches]
-            for i, (ids, labels) in enumerate(micro):
-                (ref(ids, labels=labels) / len(micro)).backward()
-                if i < len(micro) - 1:
-                    with opt.accumulate():
-                        (step(ids, labels=labels) / len(micro)).backward()
-                else:
-                    (step(ids, labels=labels) / len(micro)).backward()
-            opt_ref.step()
-            opt.step()
-            opt_ref.zero_grad()
-            opt.zero_grad()
+            _accumulated_step(ref, opt_ref, step, opt, batches[s * micro_batches:(s + 1) * micro_batches])
     assert len(megatrain.explain(step).graphs) == 2
     handed = "".join(g.backward_code or "" for g in megatrain.explain(step).graphs)
     assert "grad_to_optimizer" in handed

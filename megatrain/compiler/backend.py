@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import warnings
 
 import torch
@@ -27,6 +28,7 @@ from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
 from .plan import GraphPlan
+from .planner import InfeasibleBudget
 from .schedule import schedule_step
 
 _seen_breaks = 0
@@ -122,14 +124,85 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params)
     sid = streamer_mod.register(streamer)
-    if opts.kernels:
-        from .fusions import replace_kernel_patterns
+    # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
+    retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None
+    try:
+        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or ())
+    except InfeasibleBudget as unfused:
+        if retry is None:
+            raise
+        compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
+                                                       unfused)
+    # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
+    # traced graph does not depend on where the host bytes sit, only the copies do.
+    for r in cap.regions.regions:
+        own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
+        home_parameters(own, pin=opts.device.type == "cuda")
+    if streamer.device_updates is not None and opts.device.type == "cuda":
+        streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
+    explain_mod.record(plan)
+    return compiled
 
-        replace_kernel_patterns(gm, opts.kernels)
+
+_FUSED_LOSS = ("linear_cross_entropy",)
+
+
+def _may_fuse_loss_for_memory(gm: torch.fx.GraphModule, opts: Options) -> bool:
+    """The fused linear-cross-entropy is megatrain's to choose for memory only when the user
+    left `kernels` unset (an explicit value, even False, is kept exactly), the graph has the
+    pattern, and the kernels can run on the device."""
+    from . import fusions  # imports the Triton kernels: only when a graph is compiled
+
+    return opts.kernels is None and fusions.has_linear_cross_entropy(gm) \
+        and fusions.kernels_run_on(opts.device)
+
+
+def _pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of dynamo's graph that capture's in-place edits of `gm` do not reach (node metas
+    are copied shallowly: their fake values are shared and never mutated)."""
+    fresh = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    fresh.meta = dict(gm.meta)
+    return fresh
+
+
+def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
+                             unfused: InfeasibleBudget):
+    """Plan the graph again with the fused linear-cross-entropy, which never materialises the
+    [tokens, vocab] logits, their fp32 upcast and their gradient: the loss region's backward
+    is where a long sequence's step peaks. This is for memory, not speed: on the H200 the
+    fused loss is no faster than Inductor's code (fusions.DEFAULT's comment), so by the
+    kernel policy (issue 5) it is off by default and used only when the budget needs it.
+    Raises the retry's InfeasibleBudget, saying the fused loss was already tried."""
+    try:
+        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS)
+    except InfeasibleBudget as e:
+        raise InfeasibleBudget(
+            f"{e} (this is with the fused linear-cross-entropy loss already applied, which never "
+            f"holds the [tokens, vocab] logits; without it the step needs {unfused.min_budget} bytes "
+            f"({format_bytes(unfused.min_budget)}))", e.min_budget) from None
+    plan.note = (
+        f"fused linear-cross-entropy applied for memory: without it the leanest schedule peaks at "
+        f"{unfused.min_budget} bytes ({format_bytes(unfused.min_budget)}) > gpu_memory={opts.gpu_memory} "
+        f"bytes ({format_bytes(opts.gpu_memory)}); with it the plan peaks at {plan.predicted_peak_bytes} "
+        f"bytes ({format_bytes(plan.predicted_peak_bytes)}). Not for speed: kernels are off by default "
+        f"(options['kernels']); pass kernels=False to forbid it")
+    return compiled, plan, cap
+
+
+def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[str, ...]):
+    """One attempt at the whole pipeline for `gm` (edited in place) with `kernels` swapped in:
+    (compiled callable, its GraphPlan, the capture). Raises InfeasibleBudget from the planner."""
+    applied = ()
+    if kernels:
+        from . import fusions
+
+        counts = fusions.replace_kernel_patterns(gm, kernels)
+        applied = tuple(name for name, n in counts.items() if n)
     cap = rehome(gm, example_inputs, opts.device, sid)
     _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
 
-    plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer)
+    plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
+                     kernels=applied)
 
     def transfers(fw, bw):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
@@ -183,15 +256,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             partition_fn=make_partition_fn(on_partition),
             decompositions=_decompositions(),
             keep_inference_input_mutations=True)
-    # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
-    # traced graph does not depend on where the host bytes sit, only the copies do.
-    for r in cap.regions.regions:
-        own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
-        home_parameters(own, pin=opts.device.type == "cuda")
-    if streamer.device_updates is not None and opts.device.type == "cuda":
-        streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
-    explain_mod.record(plan)
-    return compiled
+    return compiled, plan, cap
 
 
 def _decompositions():

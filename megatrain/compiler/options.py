@@ -49,9 +49,13 @@ class Options:
     lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
         "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
     kernels: which eager patterns to replace with megatrain's Triton kernels (names from
-        `megatrain.compiler.fusions.PATTERNS`; True = all). Default: none, because on the
-        H200 none beats Inductor's own code for its pattern in forward+backward yet
-        (bench/results/kernels.jsonl); a kernel that loses is not used by default.
+        `megatrain.compiler.fusions.PATTERNS`; True = all; False or () = none). Not given
+        (None): none, because on the H200 none beats Inductor's own code for its pattern in
+        forward+backward yet (bench/results/kernels.jsonl; a kernel that loses is not used
+        by default), except that a graph whose plan does not fit gpu_memory is planned again
+        with the fused linear-cross-entropy loss, which never holds the [tokens, vocab]
+        logits (backend.py; `megatrain.explain(...)` notes it). An explicit value is kept
+        exactly: no retry.
     updates: where each region's megatrain.AdamW update runs: "auto" lets the cost model
         choose per region (megatrain.compiler.update_sites), "host" keeps every update on
         the host, "device" runs every region's update on the compute device where its
@@ -67,7 +71,7 @@ class Options:
     precision: str = "bf16"
     prefetch: int = 1
     lowering: str = "inductor"
-    kernels: tuple[str, ...] = ()
+    kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
 
     @property
@@ -126,7 +130,7 @@ def parse_options(options: dict | None) -> Options:
     lowering = options.get("lowering", "inductor")
     if lowering not in _LOWERINGS:
         raise MegatrainValueError(f"lowering={lowering!r}: use one of {_LOWERINGS}")
-    kernels = _parse_kernels(options.get("kernels", False))
+    kernels = _parse_kernels(options.get("kernels"))
     updates = options.get("updates", "host")
     if not isinstance(updates, str) or updates not in UPDATES:
         raise MegatrainValueError(
@@ -136,12 +140,14 @@ def parse_options(options: dict | None) -> Options:
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates)
 
 
-def _parse_kernels(value) -> tuple[str, ...]:
+def _parse_kernels(value) -> tuple[str, ...] | None:
     from .fusions import PATTERNS
 
+    if value is None:
+        return None
     if value is True:
         return PATTERNS
-    if value is False or value is None:
+    if value is False:
         return ()
     if isinstance(value, str):
         value = [value]

@@ -29,6 +29,10 @@ class GraphPlan:
     # leaves free, within which device updates in flight are held.
     update_sites: dict[int, str] = field(default_factory=dict)
     update_reserve: int = 0
+    # The kernel patterns swapped into this graph (fusions.PATTERNS names), and why, in words,
+    # when megatrain chose them itself (the fused loss applied because the budget needed it).
+    kernels: tuple[str, ...] = ()
+    note: str = ""
 
     @property
     def code(self) -> str:
@@ -96,6 +100,11 @@ class Plan:
     @property
     def prefetch_count(self) -> int:
         return sum(g.prefetch_count for g in self.graphs)
+
+    @property
+    def notes(self) -> list[str]:
+        """What megatrain decided on its own for the graphs (e.g. the fused loss for memory)."""
+        return [f"graph {i}: {g.note}" for i, g in enumerate(self.graphs) if g.note]
 
     def timeline(self, path) -> str:
         """Write a Chrome-trace JSON (open it in ui.perfetto.dev) of every graph's predicted

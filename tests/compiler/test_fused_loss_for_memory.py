@@ -1,0 +1,117 @@
+"""The fused linear-cross-entropy, applied by the backend only when the budget needs it.
+
+Kernels are off by default (options["kernels"] not given): on the H200 none is faster than
+Inductor's code (fusions.DEFAULT's comment). But a long sequence's step peaks in the loss
+region's backward ([tokens, vocab] logits, their fp32 upcast, their gradient), which the
+fused loss never holds; so when a graph's plan does not fit gpu_memory and the user left
+`kernels` unset, the backend plans it again with the fused loss. An explicit `kernels` is
+kept exactly.
+
+The model has a vocabulary large against its hidden size and token count, so the logits
+dominate the step's memory. Budgets are derived from the planner's own numbers: the
+minimum budget it names without the fused loss and with it. Small sizes keep the Triton
+interpreter (TRITON_INTERPRET=1, tests/conftest.py) fast: it walks tokens x vocab.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.compiler.planner import InfeasibleBudget
+from megatrain.models import Llama, LlamaConfig
+
+from .helpers import rel, random_batches, train_side_by_side
+
+CFG = LlamaConfig(vocab_size=512, hidden=8, layers=2, heads=2, kv_heads=1, ffn=16,
+                  rope_theta=10000.0)
+BATCH, SEQ = 2, 8
+FUSED = "fused linear-cross-entropy"
+
+
+def options(budget: int, **extra) -> dict:
+    return {"device": "cpu", "precision": "fp32", "lowering": "eager", "gpu_memory": budget, **extra}
+
+
+def min_budget(model, budget: int, **extra) -> InfeasibleBudget:
+    """The InfeasibleBudget of one step of `model` compiled with `budget`."""
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="megatrain", options=options(budget, **extra))
+    ids, labels = random_batches(CFG.vocab_size, 1, BATCH, SEQ)[0]
+    with pytest.raises(InfeasibleBudget) as info:
+        step(ids, labels=labels)
+    return info.value
+
+
+@pytest.fixture(scope="module")
+def budgets():
+    """(too small even with the fused loss, fits only with it), from the planner's minima.
+    The backend accepts a budget that holds the largest region's weights (the epilogue's:
+    the lm_head, [vocab, hidden] fp32, the final norm and alignment padding, within twice
+    the lm_head); below any schedule's peak, it makes the planner name its minimum."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    tiny = 2 * CFG.vocab_size * CFG.hidden * 4
+    unfused = min_budget(model, tiny, kernels=()).min_budget
+    fused = min_budget(model, tiny, kernels=["linear_cross_entropy"]).min_budget
+    torch._dynamo.reset()
+    assert tiny < fused < unfused, (tiny, fused, unfused)
+    # The logits dominate: the fused loss at least halves this step's peak.
+    assert 2 * fused < unfused, (fused, unfused)
+    return {"tiny": tiny, "fused": fused, "unfused": unfused, "between": (fused + unfused) // 2}
+
+
+def test_unset_kernels_fuse_the_loss_when_the_budget_needs_it(budgets):
+    torch.manual_seed(torch.seed() % 2**31)
+    model = Llama(CFG)
+    budget = budgets["between"]
+    r = train_side_by_side(model, random_batches(CFG.vocab_size, 3, BATCH, SEQ), options(budget),
+                           lr=3e-3)
+    for a, b in zip(r["loss"], r["loss_ref"]):
+        assert abs(a - b) / abs(b) < 1e-5, (r["loss"], r["loss_ref"])
+    assert rel(r["grads"], r["grads_ref"]) < 1e-5
+    assert rel(r["params"], r["params_ref"]) < 1e-3
+    plan = r["plan"]
+    (graph,) = plan.graphs
+    assert graph.kernels == ("linear_cross_entropy",)
+    assert "megatrain.fused_linear_cross_entropy" in plan.code
+    # Only the loss: the other kernels stay off.
+    for op in ("megatrain.rms_norm", "megatrain.rope", "megatrain.swiglu"):
+        assert op not in plan.code, op
+    assert graph.note.startswith(f"{FUSED} applied for memory")
+    assert str(budgets["unfused"]) in graph.note and str(budget) in graph.note
+    assert plan.notes == [f"graph 0: {graph.note}"]
+    assert budgets["fused"] <= plan.predicted_peak_bytes <= budget
+    assert 0 < plan.measured_peak_bytes <= budget
+
+
+def test_no_retry_when_the_budget_fits(budgets):
+    """Enough memory without the fused loss: Inductor's (here eager) loss, no note."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    step = torch.compile(model, backend="megatrain", options=options(2 * budgets["unfused"]))
+    ids, labels = random_batches(CFG.vocab_size, 1, BATCH, SEQ)[0]
+    step(ids, labels=labels).backward()
+    graph = megatrain.explain(step).graphs[0]
+    assert graph.kernels == () and graph.note == ""
+    assert "fused_linear_cross_entropy" not in graph.code
+
+
+@pytest.mark.parametrize("kernels", [(), False, ["rmsnorm"]])
+def test_explicit_kernels_are_kept(budgets, kernels):
+    torch.manual_seed(0)
+    e = min_budget(Llama(CFG), budgets["between"], kernels=kernels)
+    assert FUSED not in str(e)
+    assert e.min_budget > budgets["between"]
+
+
+def test_too_small_even_fused_says_the_fused_loss_was_tried(budgets):
+    torch.manual_seed(0)
+    e = min_budget(Llama(CFG), budgets["tiny"])
+    msg = str(e)
+    assert f"{FUSED} loss already applied" in msg, msg
+    assert e.min_budget == budgets["fused"]
+    # It still names the bytes needed (with and without the fused loss) and available.
+    for n in (budgets["fused"], budgets["unfused"], budgets["tiny"]):
+        assert str(n) in msg, (n, msg)

@@ -36,6 +36,9 @@ from .partition import region_of
 from .planner import Problem, RegionSpec, RegionUse, Weight
 
 
+_FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
+
+
 @dataclass
 class StepProblem:
     problem: Problem
@@ -265,7 +268,7 @@ class _Graph:
         live: dict[fx.Node, int] = {}
         frees: dict[int, list[fx.Node]] = {}
         total = 0
-        best: dict[int, tuple[int, tuple]] = {}
+        best: dict[int, tuple[int, tuple, fx.Node | None]] = {}
         inputs = set(inputs)
         for i, n in enumerate(self.nodes):
             if (n in inputs or n.op == "call_function" and n.target is not ops.FETCH and not _is_view(n)) \
@@ -276,11 +279,13 @@ class _Graph:
                     total += b
                     frees.setdefault(last.get(n, i), []).append(n)
             u = self.owner.get(n)
-            if u is not None and total > best.get(u, (-1,))[0]:
-                best[u] = (total, tuple(live))
+            scratch = sizes.scratch_hint(n)  # what `n` allocates and frees inside itself
+            if u is not None and total + scratch > best.get(u, (-1,))[0]:
+                best[u] = (total + scratch, tuple(live), n if scratch else None)
             for x in frees.pop(i, ()):
                 total -= live.pop(x)
-        return {u: sizes.total(nodes) for u, (_, nodes) in best.items()}
+        return {u: sizes.total(nodes) + (sizes.scratch(at) if at is not None else 0)
+                for u, (_, nodes, at) in best.items()}
 
     def self_saved(self, forward: "_Graph", sizes: "_Sizes") -> dict[int, object]:
         """Saved activations a unit's own backward reads while the planner may already have
@@ -447,12 +452,31 @@ class _Sizes:
 
         return sum(tensor_nbytes(x) * self._itemsize(n, x) // x.element_size() for x in self._tensors(n))
 
+    def scratch(self, n: fx.Node):
+        """Bytes `n` allocates and frees inside itself, invisible in the graph: the fused
+        linear-cross-entropy's chunk of logits ([min(chunk, tokens), vocab] in the hidden
+        states' dtype) and its per-token fp32 losses (kernels/fused_linear_cross_entropy.py)."""
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+                or n.target.name() != _FUSED_LOSS:
+            return sympy.Integer(0)
+        hidden, weight, chunk = n.args[0].meta["val"], n.args[1].meta["val"], n.args[5]
+        if hidden.device.type != self.device.type:
+            return sympy.Integer(0)
+        tokens, vocab = self.expr(hidden.shape[0]), self.expr(weight.shape[0])
+        return sympy.Min(int(chunk), tokens) * vocab * hidden.element_size() + tokens * 4
+
+    def scratch_hint(self, n: fx.Node) -> int:
+        v = self.scratch(n)
+        return int(v) if v.is_number else int(v.subs(self._values(v.free_symbols)))
+
+    def _values(self, syms) -> dict:
+        """The symbols' values for the shapes being compiled."""
+        hints = getattr(self.env, "backed_var_to_val", None) or self.env.var_to_val  # torch 2.13 / 2.11
+        return {s: int(hints[s]) if s in hints else int(self.env.size_hint(s)) for s in syms}
+
     def total(self, nodes) -> object:
         return sympy.expand(sum((self.bytes(n) for n in nodes), sympy.Integer(0)))
 
     def dims(self, problem: Problem) -> dict:
         syms = problem.free_symbols
-        if not syms:
-            return {}
-        hints = getattr(self.env, "backed_var_to_val", None) or self.env.var_to_val  # torch 2.13 / 2.11
-        return {s: int(hints[s]) if s in hints else int(self.env.size_hint(s)) for s in syms}
+        return self._values(syms) if syms else {}

@@ -57,8 +57,9 @@ def budgets():
     fused = min_budget(model, tiny, kernels=["linear_cross_entropy"]).min_budget
     torch._dynamo.reset()
     assert tiny < fused < unfused, (tiny, fused, unfused)
-    # The logits dominate: the fused loss at least halves this step's peak.
-    assert 2 * fused < unfused, (fused, unfused)
+    # The logits dominate: the fused loss cuts this step's peak by over a third, though at
+    # 16 tokens its one chunk of logits (scratch the planner counts) holds them all.
+    assert 3 * fused < 2 * unfused, (fused, unfused)
     return {"tiny": tiny, "fused": fused, "unfused": unfused, "between": (fused + unfused) // 2}
 
 
@@ -115,3 +116,26 @@ def test_too_small_even_fused_says_the_fused_loss_was_tried(budgets):
     # It still names the bytes needed (with and without the fused loss) and available.
     for n in (budgets["fused"], budgets["unfused"], budgets["tiny"]):
         assert str(n) in msg, (n, msg)
+
+
+@pytest.mark.parametrize("tokens,chunk", [(40, 16), (12, 16)])
+def test_planner_counts_the_fused_loss_scratch(tokens, chunk):
+    """The fused loss allocates one chunk of logits and per-token losses inside itself,
+    where the graph cannot show them; the planner adds them at the op (problem._Sizes)."""
+    import torch.fx as fx
+
+    import megatrain.kernels.fused_linear_cross_entropy  # noqa: F401  (registers the op)
+    from megatrain.compiler.problem import _Sizes
+
+    vocab, hidden = 96, 8
+    g = fx.Graph()
+    h, w, y = g.placeholder("h"), g.placeholder("w"), g.placeholder("y")
+    h.meta["val"] = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    w.meta["val"] = torch.empty(vocab, hidden, dtype=torch.bfloat16)
+    y.meta["val"] = torch.empty(tokens, dtype=torch.long)
+    op = torch.ops.megatrain.fused_linear_cross_entropy.default
+    n = g.call_function(op, (h, w, y, -100, "mean", chunk, True, True))
+    sizes = _Sizes(torch.device("cpu"))
+    expected = min(chunk, tokens) * vocab * 2 + tokens * 4
+    assert sizes.scratch_hint(n) == expected
+    assert sizes.scratch_hint(h) == 0

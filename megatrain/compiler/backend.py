@@ -153,6 +153,8 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             streamer.expect_gradients(per_param, per_region)
             _share_cores(cap.params, opts)
             _place_updates(plan, streamer, handoffs, cap.params, opts)
+            if opts.backlog:
+                streamer.enable_backlog(handoffs)
         return fw, bw
 
     def fw_compiler(fx_gm, inputs):

@@ -82,6 +82,9 @@ class EdfQueue:
     def peek(self) -> int | None:
         return self._heap[0][1] if self._heap else None
 
+    def waiting(self) -> tuple[int, ...]:
+        return tuple(region for _, region, _ in self._heap)
+
     def pop(self, nbytes_of=lambda item: 0) -> tuple[int, object]:
         _, region, item = heapq.heappop(self._heap)
         self.bytes -= nbytes_of(item)
@@ -116,7 +119,8 @@ class GradBacklog:
         self.excluded = set(excluded)  # regions with tied-weight contributions
         self.queue = EdfQueue()
         self.backlogged = 0  # regions that went through the backlog, for tests and benchmarks
-        self.order: list[int] = []  # regions in the order they left the backlog, every backward
+        # Every region taken, in order, with the regions it left waiting (tests, benchmarks).
+        self.taken: list[tuple[int, tuple[int, ...]]] = []
         self._filling: dict[int, Held] = {}
         self._lock = threading.Lock()
 
@@ -168,7 +172,7 @@ class GradBacklog:
             if not len(self.queue):
                 return None
             region, held = self.queue.pop(lambda h: h.nbytes)
-            self.order.append(region)
+            self.taken.append((region, self.queue.waiting()))
             return held
 
     def release(self, held: Held) -> None:

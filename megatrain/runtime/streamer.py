@@ -645,6 +645,7 @@ class Streamer:
         self._in_flight = []
         leftover = [i for i, c in self._contrib.items() if c]
         assert not leftover, f"gradients of parameters {leftover} never completed"
+        return True
 
     def wait_updates(self, host_params: list[torch.Tensor]) -> None:
         """A region is never fetched before its pending update (from the last step) is done."""

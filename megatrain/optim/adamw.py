@@ -126,9 +126,9 @@ class AdamW(Optimizer):
         self._grad_buffers: dict[Tensor, Tensor] = {}
         self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
         self._device_updates: device_update.DeviceUpdater | None = None  # made on first use
-        self._deferred: dict[Tensor, Deferred] = {}  # param -> its update, not queued yet
-        self._deferreds: list[Deferred] = []  # not yet waited for by _wait_everything
-        self._deferred_lock = threading.Lock()
+        self._promised_to: dict[Tensor, Deferred] = {}  # param -> its update, not queued yet
+        self._promise_list: list[Deferred] = []  # not yet waited for by _wait_everything
+        self._promise_lock = threading.Lock()
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -187,11 +187,11 @@ class AdamW(Optimizer):
             return None
         groups = {self._where[p][0] for p in params}
         d = Deferred(self, params, {gi: self._hyper(self.param_groups[gi]) for gi in groups})
-        with self._deferred_lock:
+        with self._promise_lock:
             for p in params:
                 self._final[p] = True
-                self._deferred[p] = d
-            self._deferreds.append(d)
+                self._promised_to[p] = d
+            self._promise_list.append(d)
         return d
 
     def _submit_deferred(self, d: Deferred, grads: Sequence[Tensor]) -> Future:
@@ -218,11 +218,11 @@ class AdamW(Optimizer):
             d.queued.set_exception(error)
 
     def _forget(self, deferreds: Iterable[Deferred]) -> None:
-        with self._deferred_lock:
+        with self._promise_lock:
             for d in deferreds:
                 for p in d.params:
-                    if self._deferred.get(p) is d:
-                        del self._deferred[p]
+                    if self._promised_to.get(p) is d:
+                        del self._promised_to[p]
 
     def _wait_deferred(self, deferreds: Iterable[Deferred], collect: bool = False) -> None:
         deferreds = list(deferreds)
@@ -235,8 +235,8 @@ class AdamW(Optimizer):
 
     def _wait_everything(self) -> None:
         """Every deferred update queued, then the worker's queue empty."""
-        with self._deferred_lock:
-            deferreds, self._deferreds = self._deferreds, []
+        with self._promise_lock:
+            deferreds, self._promise_list = self._promise_list, []
         self._wait_deferred(deferreds, collect=True)
         self._worker.wait_all()
 
@@ -361,8 +361,8 @@ class AdamW(Optimizer):
         """Block until every queued update or accumulation touching ``params`` is done,
         deferred ones included (first queued, then done)."""
         params = list(params)
-        with self._deferred_lock:
-            deferreds = {id(d): d for p in params if (d := self._deferred.get(p)) is not None}
+        with self._promise_lock:
+            deferreds = {id(d): d for p in params if (d := self._promised_to.get(p)) is not None}
         self._wait_deferred(deferreds.values())
         self._worker.wait(params)
 
@@ -382,7 +382,7 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        fresh = [d for d in self._deferreds if d.fresh]
+        fresh = [d for d in self._promise_list if d.fresh]
         try:
             self._wait_for_step(fresh)
             work = self._pending_grads()
@@ -426,9 +426,9 @@ class AdamW(Optimizer):
             self._wait_everything()
             return
         skip = {p for d in fresh for p in d.params}
-        with self._deferred_lock:
-            older = [d for d in self._deferreds if not d.fresh]
-            self._deferreds = [d for d in self._deferreds if d.fresh]
+        with self._promise_lock:
+            older = [d for d in self._promise_list if not d.fresh]
+            self._promise_list = [d for d in self._promise_list if d.fresh]
         self._wait_deferred(older, collect=True)
         self._worker.wait([p for p in self._where if p not in skip])
 

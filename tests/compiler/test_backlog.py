@@ -141,7 +141,7 @@ def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **op
         loss.backward()
         losses.append(loss.item())
         opt.step()
-        deferred.append(len({id(d) for d in opt._deferred.values()}))
+        deferred.append(len({id(d) for d in opt._promised_to.values()}))
         for group in opt.param_groups:
             group["lr"] *= 0.5
         opt.zero_grad()

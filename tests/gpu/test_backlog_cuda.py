@@ -59,7 +59,7 @@ def _train(model, batches, backlog: bool, precision: str):
         loss.backward()
         losses.append(loss.item())
         opt.step()
-        deferred.append(len(opt._deferred))
+        deferred.append(len({id(d) for d in opt._promised_to.values()}))
         for group in opt.param_groups:
             group["lr"] *= 0.5  # like a scheduler stepped after opt.step()
         opt.zero_grad()

@@ -46,6 +46,7 @@ handed over, which EDF could order first. They take the slab path, blocking if t
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -62,11 +63,13 @@ class EdfQueue:
 
     ``learn(region)`` is called at each forward fetch: a region's deadline is the position
     of its first fetch in the first forward seen; regions never fetched in a forward come
-    last, by id. Ties cannot happen: positions are distinct."""
+    last, by id. The same region may wait twice (a graph dynamo runs for several modules):
+    then first come, first served."""
 
     def __init__(self) -> None:
         self._rank: dict[int, int] = {}
-        self._heap: list[tuple[tuple[float, int], int, object]] = []
+        self._heap: list[tuple[tuple[float, int], int, int, object]] = []
+        self._seq = itertools.count()
         self.bytes = 0
 
     def learn(self, region: int) -> None:
@@ -76,17 +79,17 @@ class EdfQueue:
         return (self._rank.get(region, math.inf), region)
 
     def push(self, region: int, nbytes: int, item: object) -> None:
-        heapq.heappush(self._heap, (self.deadline(region), region, item))
+        heapq.heappush(self._heap, (self.deadline(region), next(self._seq), region, item))
         self.bytes += nbytes
 
     def peek(self) -> int | None:
-        return self._heap[0][1] if self._heap else None
+        return self._heap[0][2] if self._heap else None
 
     def waiting(self) -> tuple[int, ...]:
-        return tuple(region for _, region, _ in self._heap)
+        return tuple(region for _, _, region, _ in self._heap)
 
     def pop(self, nbytes_of=lambda item: 0) -> tuple[int, object]:
-        _, region, item = heapq.heappop(self._heap)
+        _, _, region, item = heapq.heappop(self._heap)
         self.bytes -= nbytes_of(item)
         return region, item
 

@@ -50,6 +50,9 @@ def test_edf_queue_serves_the_region_the_forward_fetches_first():
     q.push(0, 10, "r0")
     assert [q.pop(lambda item: 10)[0] for _ in range(len(q))] == [0, 1, 4, 5, 9]
     assert q.bytes == 0
+    q.push(4, 0, {"first": 1})  # the same region twice (a graph run for several modules)
+    q.push(4, 0, {"second": 2})
+    assert [q.pop()[1] for _ in range(2)] == [{"first": 1}, {"second": 2}]
 
 
 def test_edf_follows_the_forward_order_not_the_region_ids():
@@ -148,7 +151,7 @@ def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **op
     opt.synchronize()
     plan = megatrain.explain(step).graphs[0]
     return dict(params=flat(model.parameters()), losses=losses, streamer=plan.streamer, plan=plan,
-                deferred=deferred)
+                deferred=deferred, step=step)
 
 
 def eager(model, batches):
@@ -231,3 +234,35 @@ def test_a_bad_backlog_value_is_refused(value):
 
     with pytest.raises(ValueError, match=r"backlog=.*: give True .* or False"):
         parse_options({"device": "cpu", "backlog": value})
+
+
+@pytest.mark.parametrize("where", ["inside the layer loop", "after the embedding"])
+def test_graph_breaks_with_the_backlog(slow_optimizer, where):
+    """A break inside the layer loop runs one graph for several layers (the same region id
+    sealed once per layer: the backlog's entries must not collide); a break after the
+    embedding makes two graphs hand in gradients of the tied weight (p.grad path: the
+    optimizer cannot defer, backward waits). Either way: bitwise like backlog=False."""
+
+    class Breaking(Llama):
+        def forward(self, input_ids, labels=None):
+            x = self.embed_tokens(input_ids)
+            if where == "after the embedding":
+                torch._dynamo.graph_break()
+            cos, sin = self.rotary(x, input_ids.shape[1])
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin)
+                if i == 1 and where == "inside the layer loop":
+                    torch._dynamo.graph_break()
+            logits = torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(4)
+    model = Breaking(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=4, heads=4, kv_heads=2, ffn=176,
+                                 rope_theta=10000.0, tie_embeddings=False))
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    with pytest.warns(UserWarning, match="graph break"):
+        on = train(model, batches, True)
+        off = train(model, batches, False)
+    assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]
+    used = sum(g.streamer.backlog.backlogged for g in megatrain.explain(on["step"]).graphs)
+    assert used > 0, "the slowed optimizer must push regions into the backlog"

@@ -226,6 +226,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             streamer.expect_gradients(per_param, per_region)
             _share_cores(cap.params, opts)
             _place_updates(plan, streamer, handoffs, cap.params, opts)
+            if opts.backlog:
+                streamer.enable_backlog(handoffs)
         return fw, bw
 
     def fw_compiler(fx_gm, inputs):

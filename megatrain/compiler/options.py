@@ -64,6 +64,13 @@ class Options:
         GPU: its cost model counts the link's time but not that the device update's copies
         (24 B/param) also load host memory, which the H200 profile shows is the step's
         bottleneck at 1.3B (bench/results/NOTES.md).
+    backlog: when the host optimizer lags behind backward, keep the gradients of regions
+        that find no free host slab on the device (within the memory the plan leaves free;
+        beyond it backward waits for a slab as without) and send them to the host earliest
+        deadline first, the deadline being the region's fetch in the next forward: region 0
+        is updated first and the next forward overlaps the remaining updates
+        (megatrain.runtime.grad_backlog). Same results, bitwise. Default False until
+        measured on the GPU.
     """
 
     device: torch.device
@@ -73,6 +80,7 @@ class Options:
     lowering: str = "inductor"
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
+    backlog: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -136,8 +144,14 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"updates={updates!r}: use one of {UPDATES} (where each region's megatrain.AdamW "
             f"update runs: chosen by the cost model, always the host, or the compute device)")
+    backlog = options.get("backlog", False)
+    if not isinstance(backlog, bool):
+        raise MegatrainValueError(
+            f"backlog={backlog!r}: give True (keep gradients on the device while the host "
+            f"optimizer catches up, updated earliest deadline first) or False")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
-                   prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates)
+                   prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
+                   backlog=backlog)
 
 
 def _parse_kernels(value) -> tuple[str, ...] | None:

@@ -13,6 +13,7 @@ over all gradients in param-group order (see :mod:`megatrain.optim.functional`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -70,6 +71,12 @@ class AdamW(Optimizer):
       and the next ``step()`` wait for all of them; read those parameters directly
       (outside the compiled model) only after ``synchronize()``. Otherwise ``step()`` is
       synchronous like torch's.
+    - ``defer(params)`` (the runtime's gradient backlog, megatrain.runtime.grad_backlog):
+      the final gradients of ``params`` exist but reach the host only after backward has
+      returned. The update is recorded as final now, with the hyperparameters of now, and
+      queued when the runtime hands the gradients in (``Deferred.submit``). ``step()``
+      returns without waiting for it (the next fetch of those parameters waits, through
+      ``wait_params``); ``synchronize()``, ``state_dict()`` and the next ``step()`` wait.
     - ``submit_on_device(params, device_grads, device)`` runs a region's update on the
       compute device instead (a planner choice, see :mod:`megatrain.optim.device_update`):
       master, m and v cross the link, the same kernel updates them there and they come
@@ -119,6 +126,9 @@ class AdamW(Optimizer):
         self._grad_buffers: dict[Tensor, Tensor] = {}
         self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
         self._device_updates: device_update.DeviceUpdater | None = None  # made on first use
+        self._promised_to: dict[Tensor, Deferred] = {}  # param -> its update, not queued yet
+        self._promise_list: list[Deferred] = []  # not yet waited for by _wait_everything
+        self._promise_lock = threading.Lock()
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -146,6 +156,89 @@ class AdamW(Optimizer):
             hypers = {gi: self._hyper(self.param_groups[gi]) for gi in parts}
             return self._worker.submit(self._apply_region, parts, hypers, touches=params)
         return self._worker.submit(self._accumulate_region, params, grads, final, touches=params)
+
+    def defer(self, params: Sequence[Tensor]) -> Deferred | None:
+        """Promise the final gradients of ``params`` for later (see the class docstring):
+        the runtime's backlog holds them on the device beyond the end of backward, and
+        ``step()`` should not wait for them. Returns the ``Deferred`` to hand them in with,
+        or None where their update would not be immediate: inside ``accumulate()``, with
+        ``max_grad_norm`` or ``skip_nonfinite`` (``step()`` needs every gradient), in a
+        subclass that hands gradients in its own way, or where ``p.grad`` holds earlier
+        micro-batches (a ``zero_grad()`` before the late update would drop them). Then
+        the caller must ``submit()`` before ``step()``.
+
+        Why the hyperparameters are read now: ``submit()`` reads them when the gradient
+        arrives, during backward; a late update must not see an LR scheduler stepped after
+        ``opt.step()``, or results would differ from the non-deferred path."""
+        params = list(params)
+        if (type(self).submit is not AdamW.submit or self._accumulating
+                or self.max_grad_norm is not None or self.skip_nonfinite):
+            return None
+        for p in params:
+            if p not in self._where:
+                raise ValueError("defer(): a parameter is not managed by this optimizer")
+            if p in self._final:
+                raise ValueError(
+                    f"defer(): {self._describe(p)} already received its last gradient for "
+                    "this step; call opt.step() between steps"
+                )
+        self.wait_params(params)
+        if any(p.grad is not None for p in params):
+            return None
+        groups = {self._where[p][0] for p in params}
+        d = Deferred(self, params, {gi: self._hyper(self.param_groups[gi]) for gi in groups})
+        with self._promise_lock:
+            for p in params:
+                self._final[p] = True
+                self._promised_to[p] = d
+            self._promise_list.append(d)
+        return d
+
+    def _submit_deferred(self, d: Deferred, grads: Sequence[Tensor]) -> Future:
+        """Queue a deferred update (from the runtime's hand-off thread), then let waiters of
+        its parameters through: they find the queued task in the worker's tracking."""
+        try:
+            grads = list(grads)
+            checks.check_region(d.params, grads, self._where.__contains__, self._describe)
+            parts = self._split_by_group(d.params, grads)
+            future = self._worker.submit(self._apply_region, parts, d.hypers, touches=d.params)
+        except BaseException as e:
+            self._settle(d, e)
+            raise
+        self._settle(d, None)
+        return future
+
+    def _settle(self, d: Deferred, error: BaseException | None) -> None:
+        """Queued: waiters find the task in the worker. Failed: the error stays where
+        wait_params finds it until step(), synchronize() or the like collected it."""
+        if error is None:
+            self._forget([d])
+            d.queued.set_result(None)
+        else:
+            d.queued.set_exception(error)
+
+    def _forget(self, deferreds: Iterable[Deferred]) -> None:
+        with self._promise_lock:
+            for d in deferreds:
+                for p in d.params:
+                    if self._promised_to.get(p) is d:
+                        del self._promised_to[p]
+
+    def _wait_deferred(self, deferreds: Iterable[Deferred], collect: bool = False) -> None:
+        deferreds = list(deferreds)
+        errors = [d.queued.exception() for d in deferreds]
+        if collect:
+            self._forget(deferreds)
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def _wait_everything(self) -> None:
+        """Every deferred update queued, then the worker's queue empty."""
+        with self._promise_lock:
+            deferreds, self._promise_list = self._promise_list, []
+        self._wait_deferred(deferreds, collect=True)
+        self._worker.wait_all()
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -232,7 +325,7 @@ class AdamW(Optimizer):
                 "gradient arrives; use submit()"
             )
         params = list(params)
-        self._worker.wait(params)
+        self.wait_params(params)
         for p in params:
             if p not in self._where:
                 what = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
@@ -261,16 +354,21 @@ class AdamW(Optimizer):
                 raise ValueError(
                     "prepare_device_update(): a parameter is not managed by this optimizer"
                 )
-        self._worker.wait(params)
+        self.wait_params(params)
         device_update.ensure_state(self.state, params, pin=dev.type == "cuda")
 
     def wait_params(self, params: Iterable[Tensor]) -> None:
-        """Block until every queued update or accumulation touching ``params`` is done."""
+        """Block until every queued update or accumulation touching ``params`` is done,
+        deferred ones included (first queued, then done)."""
+        params = list(params)
+        with self._promise_lock:
+            deferreds = {id(d): d for p in params if (d := self._promised_to.get(p)) is not None}
+        self._wait_deferred(deferreds.values())
         self._worker.wait(params)
 
     def release_grad_buffers(self) -> None:
         """Stop recycling gradient buffers (their memory goes once ``p.grad`` is cleared)."""
-        self._worker.wait_all()
+        self._wait_everything()
         self._grad_buffers.clear()
 
     # ---- torch.optim.Optimizer ------------------------------------------------------
@@ -284,8 +382,9 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        fresh = [d for d in self._promise_list if d.fresh]
         try:
-            self._worker.wait_all()
+            self._wait_for_step(fresh)
             work = self._pending_grads()
             coef = None
             if work and (self.max_grad_norm is not None or self.skip_nonfinite):
@@ -315,19 +414,35 @@ class AdamW(Optimizer):
             self._final.clear()
             self._norms.clear()
             self._regions.clear()
+            for d in fresh:
+                d.fresh = False
         return loss
+
+    def _wait_for_step(self, fresh: list[Deferred]) -> None:
+        """What step() waits for: everything, except the deferred updates of this step
+        (final and immediate: step() has nothing to do for them, and waiting would keep the
+        next forward from overlapping them)."""
+        if not fresh:
+            self._wait_everything()
+            return
+        skip = {p for d in fresh for p in d.params}
+        with self._promise_lock:
+            older = [d for d in self._promise_list if not d.fresh]
+            self._promise_list = [d for d in self._promise_list if d.fresh]
+        self._wait_deferred(older, collect=True)
+        self._worker.wait([p for p in self._where if p not in skip])
 
     def synchronize(self) -> None:
         """Block until every queued update has been applied. ``step()`` returns before its
         updates finish when the gradients came region by region from the runtime (see the
         class docstring); read parameters directly only after this."""
-        self._worker.wait_all()
+        self._wait_everything()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Queued updates hold their own references to the gradients, so dropping p.grad
         # need not wait for them; zeroing in place must.
         if not set_to_none:
-            self._worker.wait_all()
+            self._wait_everything()
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -354,7 +469,7 @@ class AdamW(Optimizer):
         the other threads of a training process (compute launch, copies, autograd) sharing
         the cores. Waits for queued work first."""
         checks.check_options(self.max_grad_norm, self.skip_nonfinite, threads)
-        self._worker.wait_all()
+        self._wait_everything()
         self._worker.shutdown()
         self._worker = HostWorker(threads)
         self._threads_arg = self.threads = threads
@@ -368,15 +483,15 @@ class AdamW(Optimizer):
             self._threads_arg = None
 
     def state_dict(self) -> dict[str, Any]:
-        self._worker.wait_all()
+        self._wait_everything()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._worker.wait_all()
+        self._wait_everything()
         super().load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        self._worker.wait_all()
+        self._wait_everything()
         state = dict(super().__getstate__())
         state["megatrain_options"] = dict(
             max_grad_norm=self.max_grad_norm,
@@ -606,3 +721,24 @@ class AdamW(Optimizer):
                     "the state_dict belongs to a different model"
                 )
             st[k] = functional.like_param(st[k], p)
+
+
+class Deferred:
+    """One region's update promised by ``AdamW.defer``: ``submit(grads)`` queues it (once),
+    with the hyperparameters read at ``defer``; ``queued`` resolves then (or carries the
+    error). ``fail(error)``: the gradients will never come (the runtime failed); waiters of
+    the parameters re-raise it."""
+
+    def __init__(self, opt: AdamW, params: list[Tensor], hypers: dict[int, dict[str, float]]):
+        self.params = params
+        self.hypers = hypers
+        self.queued: Future = Future()
+        self.fresh = True  # made since the last step(), which does not wait for it
+        self._opt = opt
+
+    def submit(self, grads: Sequence[Tensor]) -> Future:
+        return self._opt._submit_deferred(self, grads)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.queued.done():
+            self._opt._settle(self, error)

@@ -17,7 +17,8 @@ For a region the plan put on the device (megatrain.compiler.update_sites):
         fetch of these parameters (``Streamer.wait_updates`` -> ``AdamW.wait_params``)
         waits for the copy back; the bytes return to the pool once the handle resolves.
 
-The reserve is the device memory the plan leaves free; updates in flight never exceed it:
+The reserve is the device memory the plan leaves free (a ``pool.Reserve``, shared with the
+gradient backlog of grad_backlog.py); updates in flight never exceed it:
 when the next one would not fit, the oldest ones are waited for (see update_sites.py for
 why the runtime waits rather than changing the site). The host path is taken only where the
 optimizer objects (``device_update_blocker``: clipping, the non-finite check, a micro-batch
@@ -35,7 +36,7 @@ import torch
 from ..optim import device_update
 from ..optim.registry import owner_of
 from .layout import FlatLayout
-from .pool import DevicePool
+from .pool import DevicePool, Reserve
 
 
 @dataclass
@@ -54,18 +55,17 @@ class DeviceUpdates:
     in flight with the pool bytes they hold."""
 
     def __init__(self, device: torch.device, pool: DevicePool, params: list, copy_streams,
-                 regions: dict[int, list[int]], reserve: int):
+                 regions: dict[int, list[int]], reserve: int | Reserve):
         self.device = device
         self.pool = pool
         self.params = params
         self.copy_streams = copy_streams  # (h2d, d2h) CUDA streams; None on the CPU
         self.regions = {r: list(pids) for r, pids in regions.items()}
-        self.reserve = reserve
+        self.reserve = reserve if isinstance(reserve, Reserve) else Reserve(pool, reserve)
         self.launched = 0  # device updates submitted, for tests and benchmarks
         self._index = {r: {p: i for i, p in enumerate(pids)} for r, pids in self.regions.items()}
         self._gathering: dict[int, _Gathering] = {}
         self._inflight: collections.deque = collections.deque()  # (handle, bytes)
-        self._live = 0
 
     def take(self, grad: torch.Tensor, region: int, param_id: int) -> bool:
         """Keep ``grad`` for the region's device update (True), or leave it to the host
@@ -116,10 +116,9 @@ class DeviceUpdates:
         if opt is None:
             return _Gathering()
         nbytes = device_update.held_bytes([p.shape for p in params])
-        if not self._make_room(nbytes):
+        what = f"device update of region {region}"
+        if not self._make_room(nbytes) or not self.reserve.try_acquire(nbytes, what):
             return _Gathering()
-        self.pool.acquire(nbytes, f"device update of region {region}")
-        self._live += nbytes
         layout = FlatLayout.of([p.shape for p in params])
         flat = torch.empty(layout.numel, dtype=torch.float32, device=self.device)
         return _Gathering(opt, layout.views(flat), nbytes)
@@ -129,16 +128,11 @@ class DeviceUpdates:
         pool; False only if they cannot fit even with nothing in flight (the pool holds
         more than the plan accounts for, e.g. a fetch started early for the next graph)."""
         self.retire()
-        while self._inflight and not self._fits(nbytes):
+        while self._inflight and not self.reserve.fits(nbytes):
             handle, held = self._inflight.popleft()
             handle.exception()  # waits; an error surfaces from the optimizer
             self._release(held)
-        return self._fits(nbytes)
-
-    def _fits(self, nbytes: int) -> bool:
-        """Within the reserve (what the plan leaves free) and the pool's own budget."""
-        return (self._live + nbytes <= self.reserve
-                and self.pool.live + nbytes <= self.pool.budget)
+        return self.reserve.fits(nbytes)
 
     def _launch(self, g: _Gathering, pids: list[int]) -> None:
         """Submit the gathered region; its bytes stay held until the handle resolves
@@ -153,8 +147,7 @@ class DeviceUpdates:
         self.launched += 1
 
     def _release(self, nbytes: int) -> None:
-        self._live -= nbytes
-        self.pool.release(nbytes)
+        self.reserve.release(nbytes)
 
 
 def _willing_owner(params: list):

@@ -7,6 +7,9 @@ parameters (the host budget is 12 bytes per parameter). Here a region's gradient
 packed into one slab sized for the largest region; a slab returns to the free list once
 the optimizer has consumed its gradients, and the runtime waits for one (backpressure)
 rather than growing past `max_slabs`. Host memory for gradients is then a few regions.
+
+With the gradient backlog (grad_backlog.py) the runtime asks for a slab without blocking
+(`try_open`); the backlog's pump also yields a free slab to a backward blocked on one.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class GradSlabs:
         self.allocated = 0
         self._free: list[Slab] = []
         self._filling: dict[int, Slab] = {}
+        self._waiters = 0  # callers blocked in _acquire
         self._cv = threading.Condition()
 
     def reserve(self, nbytes: int) -> None:
@@ -56,15 +60,35 @@ class GradSlabs:
         not fit any slab, so it got a buffer of its own)."""
         slab = self._filling.get(region)
         if slab is None:
-            slab = self._filling[region] = self._acquire()
+            slab = self._acquire()
+            with self._cv:
+                self._filling[region] = slab
         view = slab.carve(shape, dtype)
         if view is None:  # more than the region reserved (should not happen): own buffer
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin), None
         return view, slab
 
+    def try_open(self, region: int, yield_to_waiters: bool = False) -> bool:
+        """Give ``region`` a slab now if one is free or may be allocated, without waiting;
+        ``yield_to_waiters``: not while a caller is blocked waiting for one."""
+        with self._cv:
+            if region in self._filling:
+                return True
+            if yield_to_waiters and self._waiters:
+                return False
+            if self._free:
+                self._filling[region] = self._free.pop()
+            elif self.allocated < self.max_slabs:
+                self.allocated += 1
+                self._filling[region] = Slab(max(self.slab_bytes, _ALIGN), self.pin)
+            else:
+                return False
+            return True
+
     def seal(self, region: int) -> Slab | None:
         """The region's gradients are all in: its slab goes to the hand-off, which releases it."""
-        return self._filling.pop(region, None)
+        with self._cv:
+            return self._filling.pop(region, None)
 
     def release(self, slab: Slab) -> None:
         with self._cv:
@@ -84,5 +108,9 @@ class GradSlabs:
                     # deadlock): allocate.
                     self.allocated += 1
                     return Slab(max(self.slab_bytes, _ALIGN), self.pin)
-                self._cv.wait()
+                self._waiters += 1
+                try:
+                    self._cv.wait()
+                finally:
+                    self._waiters -= 1
             return self._free.pop()

@@ -12,7 +12,9 @@ One `Streamer` serves one compiled graph pair (forward, backward). It owns:
   over-budget cases fall back to a host cast thread into pinned staging;
 - pinned staging for gradients coming back, in the compute dtype (the optimizer upcasts
   them chunk by chunk, see megatrain.optim.functional.adamw_), one slab per region in
-  flight (grad_slabs.py) so the host holds a few regions of gradients, not all of them.
+  flight (grad_slabs.py) so the host holds a few regions of gradients, not all of them;
+- optionally (``backlog=True``) a device backlog for gradients that find no free slab,
+  sent to the host earliest deadline first (grad_backlog.py).
 
 Device buffers are allocated on the compute stream at prefetch time, filled on the copy
 stream after an event, and handed to the graph at `wait`, after which the graph owns them:
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import threading
 import time
 import weakref
@@ -33,12 +36,16 @@ import torch
 
 from . import graph_order
 from .device_updates import DeviceUpdates
+from .grad_backlog import GradBacklog, Held
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError
 from ..optim.registry import owner_of
-from .pool import DevicePool
+from .pool import DevicePool, Reserve
+
+# The slab key under which the backlog's pump fills a slab (one region at a time).
+_PUMP = ("backlog",)
 
 # fp32 elements per device staging chunk of the weight path (64 MiB): large enough that the
 # cast kernel after each chunk's copy costs ~1% of the copy, small beside a layer.
@@ -168,6 +175,17 @@ class Streamer:
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
+        self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
+        self.backlog: GradBacklog | None = None  # enable_backlog
+        self._grad_bytes: dict[int, int] = {}  # region -> its gradients' slab reservation
+        # Regions sealed but not yet handed to their optimizer, and the AdamW.defer promises
+        # made for them when backward ended; the hand-off list. Guarded by _lock (the
+        # backlog's pump runs on the hand-off thread).
+        self._unsubmitted: dict[int, list[torch.Tensor]] = {}  # ticket -> params
+        self._tickets = itertools.count()
+        self._promised: dict[int, dict[int, object]] = {}
+        self._lock = threading.Lock()
+        self._pump_lock = threading.Lock()
         # Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross
         # the link in fp32: twice bf16's bytes, but the host optimizer then runs torch's
         # fused AdamW directly instead of upcasting chunk by chunk, and the host is the
@@ -217,6 +235,8 @@ class Streamer:
         if self._awaiting_first:
             self._first[self._phase] = (region, list(host_params))
             self._awaiting_first = False
+        if self.backlog is not None and self._phase == "forward":
+            self.backlog.queue.learn(region)  # its deadline: when the forward fetches it
         t0 = time.perf_counter()
         self.wait_updates(host_params)
         self.stats.optimizer_wait_s += time.perf_counter() - t0
@@ -264,7 +284,8 @@ class Streamer:
         nbytes = lay.numel * self.compute_dtype.itemsize
         # This region's gradients come back in the transfer dtype (fp32 on the CPU path).
         grad_size = (self.grad_transfer_dtype or self.compute_dtype).itemsize if self.cuda else 4
-        self._slabs.reserve(lay.numel * grad_size + 64 * len(host_params))
+        self._grad_bytes[region] = lay.numel * grad_size + 64 * len(host_params)
+        self._slabs.reserve(self._grad_bytes[region])
         if self._cast_chunk is not None and self.pool.live + nbytes > self.pool.budget:
             self._drop_cast_chunk()  # the plan's buffers come first; staging is a bonus
         self.pool.acquire(nbytes, f"prefetch of region {region}")
@@ -417,8 +438,51 @@ class Streamer:
                     "layer does this): use updates='host', or remove the graph break")
             if self.device_updates.take(grad, region, param_id):
                 return  # kept on the device for the region's device update
-        t0 = time.perf_counter()
         dtype = grad.dtype if grad.device.type == "cpu" else self.grad_transfer_dtype or grad.dtype
+        backlog = self.backlog
+        if backlog is not None and self._region_seen.get(region, 0) == 0:
+            # The region's first gradient: a free slab, else the backlog if the reserve has
+            # room, else wait for a slab as without the backlog.
+            nbytes = self._grad_bytes.get(region, 0)
+            if not self._slabs.try_open(region) and nbytes:
+                backlog.open(region, nbytes)
+        if backlog is not None and backlog.holds(region):
+            entry = [None, None, None, None]  # filled when a slab takes the region (_pump)
+            backlog.hold(region, grad, entry, dtype)
+            self.stats.d2h_bytes += grad.numel() * dtype.itemsize
+        else:
+            entry = self._to_slab(grad, region, dtype)
+        self._contrib[param_id].append(entry)
+        self._bound[param_id] = param
+        if len(self._contrib[param_id]) == self._expect_param[param_id]:
+            self._ready[region].append(param_id)
+        self._region_seen[region] += 1
+        if self._region_seen[region] == self._expect_region[region]:
+            del self._region_seen[region]  # the next backward counts afresh
+            pids = self._ready.pop(region, [])
+            parts = [self._contrib.pop(i) for i in pids]
+            params = [self._bound.pop(i) for i in pids]
+            # A ticket, not the region id: a graph dynamo runs for several modules seals
+            # the same region once per module.
+            ticket = next(self._tickets)
+            with self._lock:
+                self._unsubmitted[ticket] = params
+            if backlog is not None and backlog.holds(region):
+                backlog.seal(region, (ticket, params, parts))
+                self._pump()
+                return
+            slab = self._slabs.seal(region)
+            # Contributions of tied weights still waiting for another region sit in this
+            # slab too: the hand-off moves them out before it frees the slab.
+            waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
+            future = self._handoff.submit(self._hand_over, ticket, params, parts, slab, waiting)
+            with self._lock:
+                self._handoffs.append(future)
+
+    def _to_slab(self, grad: torch.Tensor, region: int, dtype: torch.dtype) -> list:
+        """Copy one gradient into the region's host slab (waiting for a slab if none is
+        free): its entry [staged, done event, device snapshot, slab]."""
+        t0 = time.perf_counter()
         staged, slab = self._slabs.carve(region, grad.shape, dtype)
         self.stats.slab_wait_s += time.perf_counter() - t0
         if grad.device.type == "cpu":
@@ -430,21 +494,39 @@ class Streamer:
             self._release_copied()
             entry = [staged, done, snapshot, slab]
             self._in_flight.append(entry)
-        self._contrib[param_id].append(entry)
-        self._bound[param_id] = param
-        if len(self._contrib[param_id]) == self._expect_param[param_id]:
-            self._ready[region].append(param_id)
-        self._region_seen[region] += 1
-        if self._region_seen[region] == self._expect_region[region]:
-            del self._region_seen[region]  # the next backward counts afresh
-            pids = self._ready.pop(region, [])
-            parts = [self._contrib.pop(i) for i in pids]
-            params = [self._bound.pop(i) for i in pids]
-            slab = self._slabs.seal(region)
-            # Contributions of tied weights still waiting for another region sit in this
-            # slab too: the hand-off moves them out before it frees the slab.
-            waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
-            self._handoffs.append(self._handoff.submit(self._hand_over, params, parts, slab, waiting))
+        return entry
+
+    def _pump(self) -> None:
+        """Send backlogged regions to the host while slabs are free, earliest deadline
+        first (grad_backlog.py); a backward waiting for a slab gets it first. Called when a
+        region joins the backlog, when a slab is released, and when backward ends."""
+        with self._pump_lock:
+            while self.backlog.peek() is not None and self._slabs.try_open(_PUMP, yield_to_waiters=True):
+                held = self.backlog.take()
+                self._copy_out_held(held)
+                slab = self._slabs.seal(_PUMP)
+                ticket, params, parts = held.payload
+                future = self._handoff.submit(self._hand_over, ticket, params, parts, slab, [], held)
+                with self._lock:
+                    self._handoffs.append(future)
+
+    def _copy_out_held(self, held: Held) -> None:
+        """Carve the region's gradients in the slab opened for the pump and copy them
+        there (CUDA: on the D2H stream after the backlog's copies on the compute stream)."""
+        for view, entry in held.views:
+            entry[0], entry[3] = self._slabs.carve(_PUMP, view.shape, view.dtype)
+        if not self.cuda:
+            for view, entry in held.views:
+                entry[0].copy_(view)
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(held.ready)
+            for view, entry in held.views:
+                entry[0].copy_(view, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.d2h_stream)
+        for _, entry in held.views:
+            entry[1] = done
 
     def _release_copied(self) -> None:
         """Drop device gradients whose device-to-host copy has completed."""
@@ -456,26 +538,38 @@ class Streamer:
                 keep.append(entry)
         self._in_flight = keep
 
-    def _hand_over(self, params: list[torch.Tensor], parts: list[list], slab,
-                   waiting: list[list]) -> None:
+    def _hand_over(self, ticket: int, params: list[torch.Tensor], parts: list[list], slab,
+                   waiting: list[list], held: Held | None = None) -> None:
         """On the hand-off thread: hand one region's gradients to their optimizer, then
-        free its slab (after moving out contributions that wait for another region)."""
+        free its slab (after moving out contributions that wait for another region) and
+        let the backlog's next region have it. On error, fail the region's promises."""
         try:
-            self._submit_gradients(params, parts)
+            self._submit_gradients(ticket, params, parts, held)
             for entry in waiting:
                 if entry[1] is not None:
                     entry[1].synchronize()
                 entry[0], entry[3] = entry[0].clone(), None
+        except BaseException as e:
+            with self._lock:
+                self._unsubmitted.pop(ticket, None)
+                promised = self._promised.pop(ticket, {})
+            for d in promised.values():
+                d.fail(e)
+            raise
         finally:
+            if held is not None:
+                self.backlog.release(held)
             if slab is not None:
                 self._slabs.release(slab)
+            if self.backlog is not None:
+                self._pump()
 
-    def _submit_gradients(self, params: list[torch.Tensor], parts: list[list]) -> None:
+    def _submit_gradients(self, ticket: int, params: list[torch.Tensor], parts: list[list],
+                          held: Held | None = None) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
         optimizer has consumed them. A single contribution goes in its compute dtype: the
-        optimizer upcasts it in cache-sized chunks, which a p.grad fallback does at once."""
-        if not params:
-            return
+        optimizer upcasts it in cache-sized chunks, which a p.grad fallback does at once.
+        Submits under the lock, with the region's promise if backward's end made one."""
         grads = []
         for contributions in parts:
             total = None
@@ -487,29 +581,71 @@ class Streamer:
                 else:
                     total = staged.to(torch.float32, copy=True) if total is None else total.add_(staged)
             grads.append(total)
-        owners = {}
-        for p, g in zip(params, grads):
-            opt = owner_of(p)
-            if opt is None or _handed_off_by_several_graphs(p):
-                # The optimizer this graph was compiled for is gone, or another graph
-                # hands in a gradient of `p` too: keep the gradient where any torch
-                # optimizer finds it, summed like autograd would; step() applies it.
-                g = g.to(p.dtype, copy=True)  # its own memory: the slab is reused
-                p.grad = g if p.grad is None else p.grad.add_(g)
-                continue
-            owners.setdefault(id(opt), (opt, [], []))
-            owners[id(opt)][1].append(p)
-            owners[id(opt)][2].append(g)
-        for opt, ps, gs in owners.values():
-            opt.submit(ps, gs).result()
+        if held is not None:
+            self.backlog.release(held)  # on the host now: the device bytes go back
+        futures = []
+        with self._lock:
+            self._unsubmitted.pop(ticket, None)
+            promised = self._promised.pop(ticket, {})
+            for key, (opt, ps, gs) in _by_owner(params, grads).items():
+                if opt is None:
+                    # The optimizer this graph was compiled for is gone, or another graph
+                    # hands in a gradient of `p` too: keep the gradient where any torch
+                    # optimizer finds it, summed like autograd would; step() applies it.
+                    for p, g in zip(ps, gs):
+                        g = g.to(p.dtype, copy=True)  # its own memory: the slab is reused
+                        p.grad = g if p.grad is None else p.grad.add_(g)
+                    continue
+                d = promised.get(key)
+                futures.append(d.submit(gs) if d is not None else opt.submit(ps, gs))
+        for f in futures:
+            f.result()
 
     def wait_handoffs(self) -> None:
-        for f in self._handoffs:
-            f.result()
+        """Until every region of this backward has been handed over and consumed (the
+        backlog's included: each hand-off pumps the next before it completes)."""
+        while True:
+            if self.backlog is not None:
+                self._pump()
+            with self._lock:
+                futures, self._handoffs = self._handoffs, []
+            if not futures:
+                assert self.backlog is None or not len(self.backlog), "backlog left without a slab"
+                break
+            for f in futures:
+                f.result()
         self._in_flight = []
-        self._handoffs.clear()
         leftover = [i for i, c in self._contrib.items() if c]
         assert not leftover, f"gradients of parameters {leftover} never completed"
+
+    def _defer_rest(self) -> bool:
+        """End of backward with the backlog: promise every region not yet handed to its
+        optimizer (AdamW.defer) so that backward can return now. False where an optimizer
+        declines (its update is not immediate): then the caller waits for all hand-offs.
+        Errors of hand-offs finished since the last backward surface here."""
+        self._pump()
+        with self._lock:
+            for ticket, params in self._unsubmitted.items():
+                promised = self._promised.setdefault(ticket, {})
+                for key, (opt, ps, _) in _by_owner(params, params).items():
+                    if key not in promised:
+                        d = opt.defer(ps) if hasattr(opt, "defer") else None
+                        if d is None:
+                            return False
+                        promised[key] = d
+            done = [f for f in self._handoffs if f.done()]
+            self._handoffs = [f for f in self._handoffs if not f.done()]
+        for f in done:
+            f.result()
+        # Slab-path copies still in flight: their device snapshots must not outlive
+        # this backward (the plan does not count them in the next forward).
+        for entry in self._in_flight:
+            entry[1].synchronize()
+            entry[2] = None
+        self._in_flight = []
+        leftover = [i for i, c in self._contrib.items() if c]
+        assert not leftover, f"gradients of parameters {leftover} never completed"
+        return True
 
     def wait_updates(self, host_params: list[torch.Tensor]) -> None:
         """A region is never fetched before its pending update (from the last step) is done."""
@@ -528,8 +664,22 @@ class Streamer:
         """Run the AdamW update of ``regions`` (region -> its parameter ids) on the device,
         their buffers in flight held within ``reserve`` bytes beside the plan."""
         streams = (self.h2d_stream, self.d2h_stream) if self.cuda else None
-        self.device_updates = (DeviceUpdates(self.device, self.pool, self.params, streams, regions, reserve)
-                               if regions else None)
+        self.reserve = Reserve(self.pool, reserve)
+        self.device_updates = (DeviceUpdates(self.device, self.pool, self.params, streams, regions,
+                                             self.reserve) if regions else None)
+
+    def enable_backlog(self, handoffs: list[tuple[int, int]]) -> None:
+        """Keep gradients that find no free slab on the device, within the reserve of
+        place_updates, and send them to the host earliest deadline first (grad_backlog.py).
+        ``handoffs``: the backward's (region, param id) hand-offs; regions holding part of a
+        tied weight's gradient stay on the slab path. Two slabs suffice then (one region
+        being updated, one copied and waiting): more would only queue more regions ahead
+        of the one the next forward needs first."""
+        assert self.reserve is not None, "place_updates first"
+        counts = collections.Counter(p for _, p in handoffs)
+        tied = {r for r, p in handoffs if counts[p] > 1}
+        self.backlog = GradBacklog(self.device, self.reserve, tied)
+        self._slabs.max_slabs = 2
 
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the
@@ -584,8 +734,11 @@ class Streamer:
 
     def drain(self) -> None:
         """Block until every gradient of this backward is on the host (in the parameter's
-        dtype) or handed to its optimizer, so `opt.step()` sees all of them."""
-        self.wait_handoffs()
+        dtype) or handed to its optimizer, so `opt.step()` sees all of them. With the
+        backlog, regions not handed over yet are deferred instead (AdamW.defer) where every
+        optimizer concerned agrees: then step() has nothing to wait for."""
+        if self.backlog is None or not self._defer_rest():
+            self.wait_handoffs()
         for p in self._pending:
             p.done.synchronize()
             if p.device_grad is not None:
@@ -595,3 +748,15 @@ class Streamer:
                 p.out.copy_(p.staged)
         self._pending.clear()
         self.end_step()
+
+
+def _by_owner(params: list, values: list) -> dict[int, tuple]:
+    """(optimizer, params, values) per owning optimizer, keyed by its id; None for the
+    parameters whose gradients go to p.grad (no optimizer, or several graphs hand them in)."""
+    owners: dict[int, tuple] = {}
+    for p, v in zip(params, values):
+        opt = None if _handed_off_by_several_graphs(p) else owner_of(p)
+        entry = owners.setdefault(id(opt), (opt, [], []))
+        entry[1].append(p)
+        entry[2].append(v)
+    return owners

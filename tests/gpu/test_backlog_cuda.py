@@ -1,0 +1,91 @@
+"""The gradient backlog on CUDA (option backlog=True, megatrain.runtime.grad_backlog):
+gradients that find no free host slab are copied into a device buffer on the compute
+stream, later copied to a slab on the D2H stream from the hand-off thread, earliest deadline
+first, with the updates deferred past the end of backward. Checked against backlog=False.
+
+Tolerance: both runs do the same math, but CUDA reductions with atomics are not
+deterministic run to run, so from step 2 the gradients may differ by ~1e-7 relative; AdamW
+amplifies that by up to lr / (4 eps) per unit of g where |g| ~ eps (see
+test_device_update_cuda.py): rtol=atol=1e-5. A stale weight (a fetch that did not wait for
+its deferred update), a lost, doubled or out-of-date gradient moves parameters by ~lr = 3e-3.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.models import Llama, LlamaConfig
+from megatrain.optim import engine
+
+from ..compiler.helpers import random_batches
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.fixture
+def slow_optimizer(monkeypatch):
+    """Each worker task takes >= 30 ms: slabs run out and regions wait on the GPU."""
+    inner = engine._run_no_grad
+
+    def slow(*args, **kwargs):
+        time.sleep(0.03)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_run_no_grad", slow)
+
+
+def _train(model, batches, backlog: bool, precision: str):
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    step = torch.compile(model, backend="megatrain",
+                         options={"device": "cuda", "precision": precision, "backlog": backlog})
+    losses, deferred = [], []
+    for ids, labels in batches:
+        loss = step(ids, labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        deferred.append(len({id(d) for d in opt._promised_to.values()}))
+        for group in opt.param_groups:
+            group["lr"] *= 0.5  # like a scheduler stepped after opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    plan = megatrain.explain(step).graphs[0]
+    return [p.detach().clone() for p in model.parameters()], losses, plan, deferred
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_backlog_matches_no_backlog_on_cuda(slow_optimizer, precision):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, ffn=688,
+                              rope_theta=10000.0, tie_embeddings=False))
+    batches = random_batches(512, 3, batch=2, seq=64)
+    on, on_losses, plan, deferred = _train(model, batches, True, precision)
+    off, off_losses, off_plan, _ = _train(model, batches, False, precision)
+    backlog = plan.streamer.backlog
+    assert backlog.backlogged >= 3, "the slowed optimizer must push regions into the backlog"
+    assert all(r < w for r, waiting in backlog.taken for w in waiting), backlog.taken
+    assert max(deferred) > 0, "step() should return with updates still deferred"
+    assert backlog.reserve.live == 0
+    assert plan.measured_peak_bytes <= plan.budget
+    tol = 1e-5 if precision == "fp32" else 2e-2  # bf16: a ulp of the compute dtype can differ
+    for a, b in zip(on_losses, off_losses):
+        assert abs(a - b) / abs(b) < tol, (on_losses, off_losses)
+    for (name, start), p, q in zip(model.named_parameters(), on, off):
+        if precision == "fp32":
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        assert (p - start.detach()).abs().max() > 1e-3, name  # it trained

@@ -308,6 +308,8 @@ def run_system(args) -> dict:
                    "updates": args.updates}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
+        if args.backlog:
+            options["backlog"] = True
         if args.kernels:
             options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -389,6 +391,7 @@ def run_system(args) -> dict:
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
+        "backlog": args.backlog if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if sweep:
@@ -499,6 +502,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
+    p.add_argument("--backlog", action="store_true",
+                   help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
     p.add_argument("--kernels", default=None,
                    help="megatrain: compile option `kernels`, comma-separated patterns (e.g. rmsnorm) "
                         "or 'all'; default: the backend's")

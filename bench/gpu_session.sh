@@ -12,7 +12,8 @@
 #                  zoo); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 150)
 #   MEGATRAIN_COMMIT  recorded in the rows
-# Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD`.
+# Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD` to
+# clean.tar (git-ignored, so the device tool needs carry=["clean.tar"]) and unpack it there.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3

@@ -10,8 +10,8 @@ One `Streamer` serves one compiled graph pair (forward, backward). It owns:
   no work at all: a host-side cast would read 4 and write 2 bytes per parameter per fetch
   on the host memory bus the optimizer is bound by (bench/results/NOTES.md). Unpinned or
   over-budget cases fall back to a host cast thread into pinned staging;
-- pinned staging for gradients coming back, in the compute dtype (the optimizer upcasts
-  them chunk by chunk, see megatrain.optim.functional.adamw_), one slab per region in
+- pinned staging for gradients coming back, in GRAD_TRANSFER_DTYPE (fp32: upcast on the
+  device, so the host optimizer runs torch's fused AdamW directly), one slab per region in
   flight (grad_slabs.py) so the host holds a few regions of gradients, not all of them;
 - optionally (``backlog=True``) a device backlog for gradients that find no free slab,
   sent to the host earliest deadline first (grad_backlog.py).
@@ -43,6 +43,13 @@ from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError
 from ..optim.registry import owner_of
 from .pool import DevicePool, Reserve
+
+# Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross the
+# link in fp32: twice bf16's bytes, but the host optimizer then runs torch's fused AdamW
+# directly instead of upcasting chunk by chunk, and the host is the bottleneck. H200, 1.3B,
+# 16k tokens, 8 optimizer threads: 0.535 s/step with fp32 against 0.578 with bf16
+# (bench/train.py --optim-threads 8/bf16,8/fp32).
+GRAD_TRANSFER_DTYPE = torch.float32
 
 # The slab key under which the backlog's pump fills a slab (one region at a time).
 _PUMP = ("backlog",)
@@ -186,12 +193,7 @@ class Streamer:
         self._promised: dict[int, dict[int, object]] = {}
         self._lock = threading.Lock()
         self._pump_lock = threading.Lock()
-        # Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross
-        # the link in fp32: twice bf16's bytes, but the host optimizer then runs torch's
-        # fused AdamW directly instead of upcasting chunk by chunk, and the host is the
-        # bottleneck. H200, 1.3B, 16k tokens, 8 optimizer threads: 0.535 s/step with fp32
-        # against 0.578 with bf16 (bench/train.py --optim-threads 8/bf16,8/fp32).
-        self.grad_transfer_dtype: torch.dtype | None = torch.float32  # None: compute dtype
+        self.grad_transfer_dtype: torch.dtype | None = GRAD_TRANSFER_DTYPE  # None: compute dtype
         if self.cuda:
             self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
@@ -567,8 +569,9 @@ class Streamer:
     def _submit_gradients(self, ticket: int, params: list[torch.Tensor], parts: list[list],
                           held: Held | None = None) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
-        optimizer has consumed them. A single contribution goes in its compute dtype: the
-        optimizer upcasts it in cache-sized chunks, which a p.grad fallback does at once.
+        optimizer has consumed them. A single contribution goes as it crossed the link (a
+        narrower dtype is upcast by the optimizer in cache-sized chunks, by a p.grad fallback
+        at once).
         Submits under the lock, with the region's promise if backward's end made one."""
         grads = []
         for contributions in parts:
@@ -713,8 +716,9 @@ class Streamer:
         allocator never sees, so holding `grad` does not protect it), and a copy on another
         stream that only waited for `grad`'s producer could read memory already overwritten.
         The device clone runs at HBM speed (~1 ms per GB) against PCIe's ~20 ms per GB;
-        it is also where a gradient is upcast when `staged` is wider. Returns the event marking the host copy complete and the snapshot, which the caller
-        keeps alive until then."""
+        it is also where a gradient is upcast when `staged` is wider. Returns the event
+        marking the host copy complete and the snapshot, which the caller keeps alive until
+        then."""
         self.stats.d2h_bytes += staged.numel() * staged.element_size()
         snapshot = grad.clone() if staged.dtype == grad.dtype else grad.to(staged.dtype)
         produced = torch.cuda.Event()

@@ -317,9 +317,10 @@ def run_system(args) -> dict:
     else:
         raise SystemExit(f"unknown system {args.system!r}")
 
-    def run_steps(count: int, first: bool) -> tuple[list[float], list[dict]]:
+    def run_steps(count: int, first: bool) -> tuple[list[float], list[dict], float]:
+        """`count` timed steps on batches 0.. : step times, host time per call, last loss."""
         global _phase
-        times, phases = [], []
+        times, phases, loss = [], [], None
         for i in range(count):
             compiling = first and i == 0 and args.system in ("resident-compiled", "megatrain")
             _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
@@ -346,25 +347,22 @@ def run_system(args) -> dict:
             # so for megatrain backward ends when the last gradient is handed over, and
             # step() is the optimizer's tail after backward.
             phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
-                           "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0),
-                           "loss": float(loss)})
+                           "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
             print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
-        return times, phases
+        return times, phases, float(loss)
 
     def set_grad_transfer(dtype: str) -> None:
+        from megatrain.runtime.streamer import GRAD_TRANSFER_DTYPE
+
         for graph in megatrain.explain(step_fn).graphs:
             if graph.streamer is not None:
                 graph.streamer.grad_transfer_dtype = {
-                    "default": torch.float32, "fp32": torch.float32,
-                    "bf16": torch.bfloat16}[dtype]
+                    "default": GRAD_TRANSFER_DTYPE, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
     if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
-    times, phases = run_steps(args.steps, first=True)
-    loss = phases[-1].pop("loss")
-    for p in phases:
-        p.pop("loss", None)
+    times, phases, loss = run_steps(args.steps, first=True)
     # The thread sweep: the same compiled model and optimizer state, the host worker
     # rebuilt with each further thread count (one warm-up step, then the timed ones).
     sweep = []
@@ -374,10 +372,10 @@ def run_system(args) -> dict:
         for n, dtype in threads[1:]:
             opt.set_threads(n)
             set_grad_transfer(dtype)
-            ts, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
+            ts, _, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
             sweep.append({"threads": n, "grads": dtype, "step_s": statistics.median(ts[1:])})
     if args.profile:
-        _profile_step(args, lambda: _train_step(step_fn, opt, autocast, data[0], data[1], to_device, device))
+        _profile_step(args, lambda: run_steps(1, first=False))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]
     row = {
@@ -403,16 +401,6 @@ def run_system(args) -> dict:
         # host memory traffic and the gradient copies shows here)
         row["h2d_copy_gbs"] = row["h2d_bytes"] / row["h2d_busy_s"] / 1e9 if row["h2d_busy_s"] else None
     return row
-
-
-def _train_step(step_fn, opt, autocast, x, y, to_device, device) -> None:
-    if to_device:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    with autocast:
-        loss = step_fn(x, labels=y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _profile_step(args, step) -> None:

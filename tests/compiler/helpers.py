@@ -53,6 +53,49 @@ def train_side_by_side(model, batches, options, steps=3, lr=1e-3, device="cpu"):
     return out
 
 
+def train_eager(model, batches, max_grad_norm=None, lr_decay=1.0):
+    """A copy of `model` trained with torch.optim.AdamW (lr 3e-3, weight decay 0.1), one step
+    per batch, clipping the global norm to `max_grad_norm` if given and multiplying the
+    learning rate by `lr_decay` after each step: its flat parameters and losses."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    losses = []
+    for ids, labels in batches:
+        loss = ref(ids, labels=labels)
+        loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm, foreach=False)
+        losses.append(loss.item())
+        opt.step()
+        for group in opt.param_groups:
+            group["lr"] *= lr_decay
+        opt.zero_grad()
+    return dict(params=flat(ref.parameters()), losses=losses)
+
+
+def breaking_llama(where: str, config):
+    """A Llama whose head is tied to the embedding by hand (F.linear with its weight), with a
+    graph break `where`: "inside the layer loop" (after layer 1: dynamo compiles the layer's
+    forward once and runs it for every layer after the break) or "after the embedding" (two
+    graphs hand in gradients of the tied weight)."""
+    from megatrain.models import Llama
+
+    class Breaking(Llama):
+        def forward(self, input_ids, labels=None):
+            x = self.embed_tokens(input_ids)
+            if where == "after the embedding":
+                torch._dynamo.graph_break()
+            cos, sin = self.rotary(x, input_ids.shape[1])
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin)
+                if i == 1 and where == "inside the layer loop":
+                    torch._dynamo.graph_break()
+            logits = torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    return Breaking(config)
+
+
 def random_batches(vocab: int, n: int, batch: int, seq: int, generator=None):
     return [(torch.randint(0, vocab, (batch, seq), generator=generator),
              torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(n)]

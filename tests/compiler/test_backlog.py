@@ -23,7 +23,7 @@ from megatrain.runtime.grad_backlog import EdfQueue, GradBacklog
 from megatrain.runtime.grad_slabs import GradSlabs
 from megatrain.runtime.pool import DevicePool, Reserve
 
-from .helpers import flat, rel, random_batches
+from .helpers import breaking_llama, flat, rel, random_batches, train_eager
 
 VOCAB = 160
 
@@ -154,21 +154,6 @@ def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **op
                 deferred=deferred, step=step)
 
 
-def eager(model, batches):
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for ids, labels in batches:
-        loss = ref(ids, labels=labels)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        for group in opt.param_groups:
-            group["lr"] *= 0.5
-        opt.zero_grad()
-    return dict(params=flat(ref.parameters()), losses=losses)
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, tied):
     torch.manual_seed(0)
@@ -177,7 +162,7 @@ def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, t
     on = train(model, batches, True)
     off = train(model, batches, False)
     assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]
-    ref = eager(model, batches)
+    ref = train_eager(model, batches, lr_decay=0.5)
     for a, b in zip(on["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) < 1e-5, (on["losses"], ref["losses"])
     assert rel(on["params"], ref["params"]) < 1e-3
@@ -243,22 +228,10 @@ def test_graph_breaks_with_the_backlog(slow_optimizer, where):
     embedding makes two graphs hand in gradients of the tied weight (p.grad path: the
     optimizer cannot defer, backward waits). Either way: bitwise like backlog=False."""
 
-    class Breaking(Llama):
-        def forward(self, input_ids, labels=None):
-            x = self.embed_tokens(input_ids)
-            if where == "after the embedding":
-                torch._dynamo.graph_break()
-            cos, sin = self.rotary(x, input_ids.shape[1])
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin)
-                if i == 1 and where == "inside the layer loop":
-                    torch._dynamo.graph_break()
-            logits = torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
     torch.manual_seed(4)
-    model = Breaking(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=4, heads=4, kv_heads=2, ffn=176,
-                                 rope_theta=10000.0, tie_embeddings=False))
+    model = breaking_llama(where, LlamaConfig(vocab_size=VOCAB, hidden=64, layers=4, heads=4,
+                                              kv_heads=2, ffn=176, rope_theta=10000.0,
+                                              tie_embeddings=False))
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         on = train(model, batches, True)

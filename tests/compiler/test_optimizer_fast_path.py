@@ -15,7 +15,7 @@ import torch
 import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import flat, rel, random_batches
+from .helpers import breaking_llama, flat, rel, random_batches
 
 
 def model(tied=True):
@@ -143,22 +143,9 @@ def test_graph_breaks_with_the_optimizer_fast_path(where, micro_batches):
     must be updated once per step with the sum of its gradients; with gradient
     accumulation, after the last micro-batch only."""
 
-    class Breaking(Llama):
-        def forward(self, input_ids, labels=None):
-            x = self.embed_tokens(input_ids)
-            if where == "after the embedding":
-                torch._dynamo.graph_break()
-            cos, sin = self.rotary(x, input_ids.shape[1])
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin)
-                if i == 1 and where == "inside the layer loop":
-                    torch._dynamo.graph_break()
-            logits = torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
     torch.manual_seed(torch.seed() % 2**31)
-    ref = Breaking(LlamaConfig(vocab_size=160, hidden=64, layers=4, heads=4, kv_heads=2, ffn=176,
-                               rope_theta=10000.0, tie_embeddings=False))
+    ref = breaking_llama(where, LlamaConfig(vocab_size=160, hidden=64, layers=4, heads=4, kv_heads=2,
+                                            ffn=176, rope_theta=10000.0, tie_embeddings=False))
     streamed = copy.deepcopy(ref)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1)

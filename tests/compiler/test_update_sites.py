@@ -25,7 +25,7 @@ from megatrain.runtime.host_store import home_parameters
 from megatrain.runtime.pool import DevicePool
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import flat, rel, random_batches
+from .helpers import flat, rel, random_batches, train_eager
 
 VOCAB = 160
 
@@ -78,21 +78,6 @@ def train(model, updates, batches, *, max_grad_norm=None, **options):
                 device_updates=spy.calls)
 
 
-def eager(model, batches, max_grad_norm=None):
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    losses = []
-    for ids, labels in batches:
-        loss = ref(ids, labels=labels)
-        loss.backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm, foreach=False)
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return dict(params=flat(ref.parameters()), losses=losses)
-
-
 def assert_close_to_eager(r, ref):
     for a, b in zip(r["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) < 1e-5, (r["losses"], ref["losses"])
@@ -107,7 +92,7 @@ def test_device_and_host_updates_train_bitwise_alike_and_like_eager(tied):
     host = train(model, "host", batches)
     dev = train(model, "device", batches)
     assert torch.equal(dev["params"], host["params"]) and dev["losses"] == host["losses"]
-    assert_close_to_eager(dev, eager(model, batches))
+    assert_close_to_eager(dev, train_eager(model, batches))
     assert set(host["plan"].update_sites.values()) == {"host"} and host["device_updates"] == 0
     sites = dev["plan"].update_sites
     names = {r.id: r.name for r in dev["plan"].regions}
@@ -216,7 +201,7 @@ def test_clipping_takes_the_host_path_and_stays_exact():
     assert set(dev["plan"].update_sites.values()) == {"device"}  # the plan's choice ...
     assert dev["device_updates"] == 0  # ... refused by the optimizer at run time
     assert torch.equal(dev["params"], host["params"])
-    assert_close_to_eager(dev, eager(model, batches, max_grad_norm=0.05))
+    assert_close_to_eager(dev, train_eager(model, batches, max_grad_norm=0.05))
 
 
 # ---- the runtime's DeviceUpdates, directly -------------------------------------------------

@@ -17,15 +17,7 @@ from megatrain.models import Llama, LlamaConfig
 from ..compiler.helpers import param_bytes, rel, random_batches, train_side_by_side
 from ..compiler.test_backend_cpu import MODELS
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -474,6 +474,13 @@ class AdamW(Optimizer):
         self._worker = HostWorker(threads)
         self._threads_arg = self.threads = threads
 
+    @property
+    def host_busy_s(self) -> float:
+        """Seconds the host worker has spent running updates (and accumulations) since
+        it started (``set_threads`` starts a new one): the measured side of the cost
+        model's host stream."""
+        return self._worker.busy_s
+
     def prefer_threads(self, threads: int) -> None:
         """A runtime's suggestion, applied only when the user left ``threads`` unset: the
         streaming runtime asks for fewer threads than cores because the host update shares

@@ -19,6 +19,7 @@ Thread choices, and why:
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +39,25 @@ def _run_no_grad(fn: Callable[..., Any], args: tuple, after: tuple[Future, ...] 
         f.result()
     with torch.no_grad():
         return fn(*args)
+
+
+class _Timed:
+    """A task that adds its running time to its worker's `busy_s` (the cost model's
+    host-stream seconds, measured: `bench/train.py` compares the two)."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: "HostWorker") -> None:
+        self.worker = worker
+
+    def __call__(self, fn: Callable[..., Any], args: tuple, after: tuple[Future, ...]) -> Any:
+        for f in after:  # waiting on other work is not this worker's busy time
+            f.result()
+        t0 = time.perf_counter()
+        try:
+            return _run_no_grad(fn, args)
+        finally:
+            self.worker.busy_s += time.perf_counter() - t0
 
 
 class HostWorker:
@@ -62,6 +82,8 @@ class HostWorker:
         self._last: dict[torch.Tensor, Future] = {}
         self._outstanding: list[Future] = []
         self._tracked: set[Future] = set()  # pending futures of work done elsewhere
+        self.busy_s = 0.0  # seconds spent running tasks, since creation (written by the thread)
+        self._timed = _Timed(self)
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def submit(
@@ -72,7 +94,7 @@ class HostWorker:
         touches = list(touches)
         with self._lock:
             after = {id(f): f for t in touches if (f := self._last.get(t)) in self._tracked}
-            future = self._pool.submit(_run_no_grad, fn, args, tuple(after.values()))
+            future = self._pool.submit(self._timed, fn, args, tuple(after.values()))
             self._outstanding = [f for f in self._outstanding if not f.done()]
             self._outstanding.append(future)
             for t in touches:

@@ -65,7 +65,8 @@ class GraphPlan:
     @property
     def measured_records(self) -> list:
         """The last step's measured intervals from the runtime's CUDA events (weight copies,
-        compute-stream waits for them); [] before a CUDA step ran."""
+        compute-stream waits for them, region compute, gradient copies); [] before a CUDA
+        step ran."""
         s = self.streamer.last_stats if self.streamer is not None else None
         return timeline_mod.cuda_records(s) if s is not None else []
 

@@ -7,8 +7,10 @@ they read side by side, as two files or as two processes of one (`merge`).
 
 Measured records are (name, stream, start_ms, end_ms) intervals. `cuda_records` reads
 them off the streamer's last step: the CUDA event pairs it records per region (`MEASURED`
-names which lists, and on which stream); a list of event pairs the runtime adds later (per
-region compute, gradient copies) appears in the timeline once named there.
+names which lists, and on which stream): weight copies, the compute stream's waits for
+them, each region's compute (weights ready to evict) and its gradients' copies out.
+The host optimizer's updates run on host threads without CUDA events; their measured
+total is `megatrain.AdamW.host_busy_s`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Record:
 
 
 # StepStats attribute -> (stream, slice name): lists of (region, start event, end event).
-MEASURED = {"transfers": ("h2d", "h2d r{}"), "waits": ("compute", "wait for weights r{}")}
+MEASURED = {"transfers": ("h2d", "h2d r{}"), "waits": ("compute", "wait for weights r{}"),
+            "computes": ("compute", "compute r{}"), "grad_copies": ("d2h", "d2h r{}")}
 
 
 def cuda_records(stats) -> list[Record]:

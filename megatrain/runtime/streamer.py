@@ -125,6 +125,8 @@ class StepStats:
     fetch_paths: collections.Counter = field(default_factory=collections.Counter)  # how weights came in
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
     transfers: list = field(default_factory=list)  # CUDA (region, started, done) on the copy stream
+    computes: list = field(default_factory=list)  # CUDA (region, weights ready, evicted) on compute
+    grad_copies: list = field(default_factory=list)  # CUDA (region, started, done) on the D2H stream
 
     def h2d_busy_s(self) -> float:
         """Seconds the host-to-device stream spent on weight copies (and device casts)."""
@@ -161,6 +163,7 @@ class Streamer:
         self._layouts: dict[tuple, FlatLayout] = {}
         self.stats = StepStats()
         self.last_stats: StepStats | None = None
+        self._computing: dict[int, torch.cuda.Event] = {}  # region -> its weights-ready event
         # The gradient fast path (expect_gradients / grad_to_optimizer): per-backward
         # counters, and one hand-off thread that waits for copies and feeds the optimizer.
         self._expect_param: dict[int, int] = {}
@@ -411,10 +414,16 @@ class Streamer:
             stream.wait_event(done)
             after.record(stream)
             self.stats.waits.append((region, before, after))
+            self._computing[region] = after
         return entry.flat
 
     def evict(self, region: int, flat: torch.Tensor) -> None:
         self.pool.release(flat.numel() * flat.element_size())
+        started = self._computing.pop(region, None)
+        if started is not None:  # the region's compute: from its weights' arrival to here
+            evicted = torch.cuda.Event(enable_timing=True)
+            evicted.record(torch.cuda.current_stream(self.device))
+            self.stats.computes.append((region, started, evicted))
 
     # -- gradients out to megatrain.AdamW (fast path) ----------------------------------
     def expect_gradients(self, per_param: dict[int, int], per_region: dict[int, int]) -> None:
@@ -490,7 +499,7 @@ class Streamer:
         if grad.device.type == "cpu":
             entry = [staged.copy_(grad), None, None, slab]
         else:
-            done, snapshot = self._copy_out_into(staged, grad)
+            done, snapshot = self._copy_out_into(staged, grad, region)
             # Holding the snapshot keeps its device memory until the copy ends (no
             # record_stream); `_release_copied` lets go as soon as the event says so.
             self._release_copied()
@@ -521,12 +530,14 @@ class Streamer:
             for view, entry in held.views:
                 entry[0].copy_(view)
             return
+        started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(held.ready)
+            started.record(self.d2h_stream)
             for view, entry in held.views:
                 entry[0].copy_(view, non_blocking=True)
-            done = torch.cuda.Event()
             done.record(self.d2h_stream)
+        self.stats.grad_copies.append((held.region, started, done))
         for _, entry in held.views:
             entry[1] = done
 
@@ -708,8 +719,8 @@ class Streamer:
         staged = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
         return staged, *self._copy_out_into(staged, grad)
 
-    def _copy_out_into(self, staged: torch.Tensor,
-                       grad: torch.Tensor) -> tuple["torch.cuda.Event", torch.Tensor]:
+    def _copy_out_into(self, staged: torch.Tensor, grad: torch.Tensor,
+                       region: int | None = None) -> tuple["torch.cuda.Event", torch.Tensor]:
         """Device-to-host copy into pinned `staged` on the D2H stream, of a snapshot of
         `grad` taken on the compute stream. Why the snapshot: Inductor's generated code hands
         a gradient's memory to the next kernel right after the hand-off op (buffer reuse the
@@ -723,11 +734,15 @@ class Streamer:
         snapshot = grad.clone() if staged.dtype == grad.dtype else grad.to(staged.dtype)
         produced = torch.cuda.Event()
         produced.record(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
+        timed = region is not None  # timed copies show in the measured timeline
+        started, done = torch.cuda.Event(enable_timing=timed), torch.cuda.Event(enable_timing=timed)
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
+            started.record(self.d2h_stream)
             staged.copy_(snapshot, non_blocking=True)
             done.record(self.d2h_stream)
+        if timed:
+            self.stats.grad_copies.append((region, started, done))
         return done, snapshot
 
     def _retire_done(self) -> None:

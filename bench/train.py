@@ -234,7 +234,21 @@ def _megatrain_stats(step_fn) -> dict:
     stats = [g.streamer.last_stats for g in megatrain.explain(step_fn).graphs
              if g.streamer is not None and g.streamer.last_stats is not None]
     plan = megatrain.explain(step_fn)
+    schedules = [g.schedule.plan.schedule for g in plan.graphs if g.schedule is not None]
+
+    def per_step(stream: str) -> float:  # the cost model's busy seconds of one stream
+        return sum(sum(s.end[t] - s.start[t] for t in s.streams[stream]) / s.steps for s in schedules)
+
+    def measured(attr: str) -> float:  # seconds covered by the last step's CUDA event pairs
+        pairs = [p for s in stats for p in getattr(s, attr)]
+        if pairs:
+            pairs[-1][2].synchronize()
+        return sum(a.elapsed_time(b) for _, a, b in pairs) / 1e3
+
     return {"predicted_step_s": plan.predicted_step_s,
+            "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
+            "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
+            "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
@@ -321,6 +335,7 @@ def run_system(args) -> dict:
         """`count` timed steps on batches 0.. : step times, host time per call, last loss."""
         global _phase
         times, phases, loss = [], [], None
+        host_busy = getattr(opt, "host_busy_s", None)  # megatrain.AdamW's measured update time
         for i in range(count):
             compiling = first and i == 0 and args.system in ("resident-compiled", "megatrain")
             _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
@@ -348,6 +363,9 @@ def run_system(args) -> dict:
             # step() is the optimizer's tail after backward.
             phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
                            "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
+            if host_busy is not None:
+                phases[-1]["host_busy_s"] = opt.host_busy_s - host_busy
+                host_busy = opt.host_busy_s
             print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
         return times, phases, float(loss)
@@ -376,6 +394,10 @@ def run_system(args) -> dict:
             sweep.append({"threads": n, "grads": dtype, "step_s": statistics.median(ts[1:])})
     if args.profile:
         _profile_step(args, lambda: run_steps(1, first=False))
+        if args.system == "megatrain":  # predicted and measured schedule, for Perfetto
+            layers = args.layers or _config(args.model).layers
+            megatrain.explain(step_fn).timeline(
+                Path(args.profile) / f"timeline_{args.model}_L{layers}_{args.tokens}.json")
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]
     row = {
@@ -570,6 +592,10 @@ def main(argv=None) -> int:
         if r.get("predicted_step_s"):
             print(f"{'':18s} planner predicted {r['predicted_step_s']:.3f} s/step "
                   f"(measured/predicted {r['step_s'] / r['predicted_step_s']:.2f}, rates of {r.get('planned_with')})")
+            print(f"{'':18s} per step predicted/measured: compute {r['predicted_compute_s']:.3f}/"
+                  f"{r['measured_compute_s']:.3f} s, host updates {r['predicted_host_s']:.3f}/"
+                  f"{r.get('host_busy_s') or 0:.3f} s, gradient copies {r['predicted_d2h_s']:.3f}/"
+                  f"{r['measured_d2h_s']:.3f} s, weight copies {r['predicted_h2d_s']:.3f}/{r['h2d_busy_s']:.3f} s")
         if r.get("h2d_copy_gbs"):
             print(f"{'':18s} host blocked: on gradient slabs {r.get('slab_wait_s', 0):.3f} s, on host casts "
                   f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}")

@@ -250,6 +250,7 @@ def _megatrain_stats(step_fn) -> dict:
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
+            "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
             "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),

@@ -397,8 +397,14 @@ def run_system(args) -> dict:
         _profile_step(args, lambda: run_steps(1, first=False))
         if args.system == "megatrain":  # predicted and measured schedule, for Perfetto
             layers = args.layers or _config(args.model).layers
-            megatrain.explain(step_fn).timeline(
-                Path(args.profile) / f"timeline_{args.model}_L{layers}_{args.tokens}.json")
+            plan = megatrain.explain(step_fn)
+            plan.timeline(Path(args.profile) / f"timeline_{args.model}_L{layers}_{args.tokens}.json")
+            # the planner's inputs and choice, to re-predict offline with another cost model
+            import pickle
+
+            (Path(args.profile) / f"schedules_{args.model}_L{layers}_{args.tokens}.pkl").write_bytes(pickle.dumps(
+                [(g.schedule.plan.schedule.problem, g.schedule.plan.schedule.config, g.schedule.rates)
+                 for g in plan.graphs if g.schedule is not None]))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]
     row = {

@@ -249,6 +249,8 @@ def _megatrain_stats(step_fn) -> dict:
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
+            "grad_slab_bytes": sum(g.streamer._slabs.allocated * g.streamer._slabs.slab_bytes
+                                   for g in plan.graphs if g.streamer is not None),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
@@ -280,6 +282,7 @@ def run_system(args) -> dict:
     _phase = "building the model"
     model = _model(args.model, args.layers)
     _phase = "setting up"
+    rss_built = _status("VmRSS")
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -332,15 +335,15 @@ def run_system(args) -> dict:
     else:
         raise SystemExit(f"unknown system {args.system!r}")
 
-    def run_steps(count: int, first: bool) -> tuple[list[float], list[dict], float]:
-        """`count` timed steps on batches 0.. : step times, host time per call, last loss."""
+    def run_steps(count: int, first: bool, start: int = 0) -> tuple[list[float], list[dict], float]:
+        """`count` timed steps on batches start.. : step times, host time per call, last loss."""
         global _phase
         times, phases, loss = [], [], None
         host_busy = getattr(opt, "host_busy_s", None)  # megatrain.AdamW's measured update time
         for i in range(count):
-            compiling = first and i == 0 and args.system in ("resident-compiled", "megatrain")
+            compiling = first and start + i == 0 and args.system in ("resident-compiled", "megatrain")
             _phase = f"step {i} forward" + (" (compiling)" if compiling else "")
-            x, y = data[i], data[i + 1]
+            x, y = data[start + i], data[start + i + 1]
             if to_device:
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if cuda:
@@ -367,7 +370,7 @@ def run_system(args) -> dict:
             if host_busy is not None:
                 phases[-1]["host_busy_s"] = opt.host_busy_s - host_busy
                 host_busy = opt.host_busy_s
-            print(f"  {args.system} step {i}: {times[-1]:.3f} s loss {float(loss):.3f} "
+            print(f"  {args.system} step {start + i}: {times[-1]:.3f} s loss {float(loss):.3f} "
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
         return times, phases, float(loss)
 
@@ -381,7 +384,10 @@ def run_system(args) -> dict:
 
     if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
-    times, phases, loss = run_steps(args.steps, first=True)
+    times, phases, loss = run_steps(1, first=True)
+    rss_first_step = _status("VmHWM")  # compiling included
+    more, more_phases, loss = run_steps(args.steps - 1, first=False, start=1)
+    times, phases = times + more, phases + more_phases
     # The thread sweep: the same compiled model and optimizer state, the host worker
     # rebuilt with each further thread count (one warm-up step, then the timed ones).
     sweep = []
@@ -415,6 +421,10 @@ def run_system(args) -> dict:
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
+        # where it goes: the model as built (fp32 weights), the peak through the first step
+        # (compiling, optimizer state, slabs), the peak at the end
+        "host_bytes_per_param_phases": {"built": (rss_built - rss_base) / n_params,
+                                        "first_step": (rss_first_step - rss_base) / n_params},
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,

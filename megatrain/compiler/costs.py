@@ -82,11 +82,27 @@ def compute_seconds(flops: int, rates: Rates) -> float:
     return flops / rates.flops if flops > 0 else 0.0
 
 
-def host_step_seconds(numel: int, rates: Rates) -> float:
-    return numel / rates.adamw if numel > 0 else 0.0
+def host_bandwidth(rates: Rates) -> float:
+    """Host memory bytes/s as the probe's fused AdamW achieved them."""
+    return rates.adamw * ADAMW_BYTES_PER_PARAM
 
 
-def host_accumulate_seconds(numel: int, rates: Rates) -> float:
-    """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW."""
-    host_bandwidth = rates.adamw * ADAMW_BYTES_PER_PARAM
-    return numel * ACCUMULATE_BYTES_PER_PARAM / host_bandwidth if numel > 0 else 0.0
+def host_step_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:
+    """A region's AdamW update, charged with the host memory traffic of its region's copies.
+
+    The update is bound by host memory bandwidth, and the DMA engines read the masters
+    (weight fetches) and write the gradients through the same memory while it runs, so
+    host memory is one resource: the update's 28 B/param plus `copy_bytes` (what its
+    weights' fetches and gradient copies move per step) over the probed bandwidth. Charged
+    per region, not per schedule overlap, so durations stay independent of the plan."""
+    if numel <= 0:
+        return 0.0
+    return (numel * ADAMW_BYTES_PER_PARAM + copy_bytes) / host_bandwidth(rates)
+
+
+def host_accumulate_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:
+    """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW
+    (and charged with the micro-batch's copies the same way)."""
+    if numel <= 0:
+        return 0.0
+    return (numel * ACCUMULATE_BYTES_PER_PARAM + copy_bytes) / host_bandwidth(rates)

@@ -69,10 +69,23 @@ class Weight:
     # The device gradient is held until its owner's grad_wait (a buffer the planner counts);
     # False: each gradient leaves as it is produced and the regions' work_bw counts it.
     grad_held: bool = True
+    # Bytes that cross PCIe (and host memory) per fetch and per gradient copy, where they
+    # differ from the device bytes: the runtime fetches the fp32 master and casts on the
+    # device, and sends gradients in fp32 (defaults: nbytes, grad_bytes).
+    link_nbytes: int | None = None
+    grad_link_nbytes: int | None = None
 
     @property
     def grad_bytes(self) -> int:
         return self.nbytes if self.grad_nbytes is None else self.grad_nbytes
+
+    @property
+    def h2d_bytes(self) -> int:
+        return self.nbytes if self.link_nbytes is None else self.link_nbytes
+
+    @property
+    def d2h_bytes(self) -> int:
+        return self.grad_bytes if self.grad_link_nbytes is None else self.grad_link_nbytes
 
     @property
     def grad_buffer_bytes(self) -> int:
@@ -257,6 +270,8 @@ class _Shape:
         self.reads = {ph: {r.id: r.reads(ph) for r in p.regions} for ph in ("fw", "bw")}
         self.wbytes = {ph: {r: sum(self.weight[w].nbytes for w in ws) for r, ws in self.reads[ph].items()}
                        for ph in ("fw", "bw")}
+        self.link_bytes = {ph: {r: sum(self.weight[w].h2d_bytes for w in ws) for r, ws in self.reads[ph].items()}
+                           for ph in ("fw", "bw")}
         users: dict[int, list[int]] = {w.id: [] for w in p.weights}
         for r in p.regions:
             for w in r.weights:
@@ -269,6 +284,11 @@ class _Shape:
         for w in sorted(self.owner):
             owned.setdefault(self.owner[w], []).append(w)
         self.owned = {o: tuple(ws) for o, ws in owned.items()}
+        # Host memory bytes the copies of each owner's weights move per micro-batch: every
+        # fetch reads the master, every gradient copy writes it (see costs.host_step_seconds).
+        fetches = {w: sum(w in self.reads[ph][r] for ph in self.phases for r in self.fw) for w in self.owner}
+        self.copy_bytes = {o: sum(fetches[w] * self.weight[w].h2d_bytes + self.weight[w].d2h_bytes for w in ws)
+                           for o, ws in self.owned.items()}
         n = len(self.fw)
         # Offload candidates, longest-lived first: a kept output lives from its forward to
         # its last backward consumer, so those produced early and read late cost the most.
@@ -640,14 +660,14 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
         out[("compute", r.id, "fw")] = costs.compute_seconds(f, rates)
         out[("compute", r.id, "bw")] = costs.compute_seconds(f + b, rates)
         for ph in ("fw", "bw"):
-            out[("h2d", r.id, ph)] = costs.copy_seconds(sh.wbytes[ph][r.id], link[ph].h2d)
+            out[("h2d", r.id, ph)] = costs.copy_seconds(sh.link_bytes[ph][r.id], link[ph].h2d)
         out[("offload", r.id, "fw")] = costs.copy_seconds(r.out_bytes, link["fw"].d2h)
         out[("reload", r.id, "bw")] = costs.copy_seconds(r.out_bytes, link["bw"].h2d)
     for o, ws in sh.owned.items():
-        out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].grad_bytes for w in ws), link["bw"].d2h)
+        out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].d2h_bytes for w in ws), link["bw"].d2h)
         numel = sum(sh.weight[w].numel for w in ws)
-        out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates)
-        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates)
+        out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, sh.copy_bytes[o])
+        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, sh.copy_bytes[o])
     return out
 
 

@@ -4,7 +4,8 @@
                  in); regions whose node spans interleave in either graph (a module called
                  at two places) form one planner region, a *unit*, streamed together
     weights      one per parameter, its padded flat bytes in the compute dtype (tied weights
-                 are shared by the units that fetch them; the backward fetches may be fewer)
+                 are shared by the units that fetch them; the backward fetches may be fewer);
+                 on the link, the master's dtype (the device casts) and fp32 gradients
     out_bytes    the activations a unit saves for the backward (returned values live to the
                  forward's end, in the working sets; their gradients from the backward's start)
     work_fw/bw   peak transient bytes while a unit runs: a liveness walk of the graph
@@ -31,6 +32,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..runtime.layout import ALIGN_ELEMENTS
+from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
 from .partition import region_of
 from .planner import Problem, RegionSpec, RegionUse, Weight
@@ -374,9 +376,12 @@ def _weights(graphs: list[_Graph], params, dtype):
                 if wid not in weights:
                     numel = f.meta["val"].numel()
                     trains = pid >= len(params) or params[pid].requires_grad
-                    padded = -(-max(numel, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS * dtype.itemsize
-                    weights[wid] = Weight(wid, padded, numel if trains and k == 0 else 0,
-                                          numel * dtype.itemsize if trains else 0, grad_held=False)
+                    elements = -(-max(numel, 1) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+                    master = params[pid].dtype if pid < len(params) else dtype
+                    weights[wid] = Weight(wid, elements * dtype.itemsize, numel if trains and k == 0 else 0,
+                                          numel * dtype.itemsize if trains else 0, grad_held=False,
+                                          link_nbytes=elements * master.itemsize,
+                                          grad_link_nbytes=numel * GRAD_TRANSFER_DTYPE.itemsize if trains else 0)
                 per_unit.setdefault(u, []).append(wid)
         fetched.append({u: tuple(ws) for u, ws in per_unit.items()})
     return sorted(weights.values(), key=lambda w: w.id), fetched

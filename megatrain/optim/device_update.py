@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
+from megatrain.compiler.costs import ADAMW_BYTES_PER_PARAM, host_bandwidth
 from megatrain.optim import checks, functional
 from megatrain.runtime.host_store import is_page_locked, page_locked
 from megatrain.runtime.layout import FlatLayout
@@ -63,10 +64,9 @@ Site = Literal["host", "device"]
 
 # ---- the cost model -------------------------------------------------------------------
 
-# Host memory bytes per parameter of the host update: fused AdamW reads param, grad, m, v
-# and writes param, m, v (7 x fp32). ``Rates.adamw`` (params/s) was measured on exactly this
-# kernel, so ``Rates.adamw * HOST_UPDATE_BYTES`` is the host memory bandwidth it reaches.
-HOST_UPDATE_BYTES = 28
+# Host memory bytes per parameter of the host update (fused AdamW: 7 x fp32), and the
+# bandwidth the probe's AdamW reached: the planner's cost model, one definition for both.
+HOST_UPDATE_BYTES = ADAMW_BYTES_PER_PARAM
 # The device update moves master, m and v (fp32) each way over PCIe ...
 DEVICE_LINK_BYTES = 12
 # ... and the DMA engines read those 12 bytes from host memory and write 12 back: host
@@ -100,11 +100,6 @@ class PhaseLoad:
     def seconds(self, rates: "Rates") -> float:
         """The phase's bound from these bytes: the slower of the link and host memory."""
         return max(link_seconds(rates, self.h2d, self.d2h), self.host / host_bandwidth(rates))
-
-
-def host_bandwidth(rates: "Rates") -> float:
-    """Host memory bytes/s, as reached by the fused AdamW the probe measured."""
-    return rates.adamw * HOST_UPDATE_BYTES
 
 
 def link_seconds(rates: "Rates", h2d: float, d2h: float) -> float:

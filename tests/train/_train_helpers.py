@@ -1,9 +1,11 @@
 """Helpers shared by tests/train (imported by name: pytest puts this folder on sys.path)."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from megatrain.cli import main
@@ -32,3 +34,27 @@ def run_module(*args: str, cwd=None, env=None, timeout=300) -> subprocess.Comple
     return subprocess.run([sys.executable, "-m", "megatrain", *args], cwd=cwd, env=env or python_env(),
                           capture_output=True, text=True, timeout=timeout)
 
+
+def run_modules(*commands: list[str], timeout=300) -> list[subprocess.CompletedProcess]:
+    """`run_module` for independent commands, all at once; their results in order. Output
+    goes to files, not pipes, so no process stalls on a full pipe while another is read."""
+    with contextlib.ExitStack() as stack:
+        files = [(stack.enter_context(tempfile.TemporaryFile("w+")),
+                  stack.enter_context(tempfile.TemporaryFile("w+"))) for _ in commands]
+        procs = [subprocess.Popen([sys.executable, "-m", "megatrain", *args], env=python_env(),
+                                  stdout=out, stderr=err, text=True)
+                 for args, (out, err) in zip(commands, files)]
+        try:
+            for proc in procs:
+                proc.wait(timeout=timeout)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        done = []
+        for proc, (out, err) in zip(procs, files):
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
+        return done

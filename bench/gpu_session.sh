@@ -12,6 +12,7 @@
 #                  zoo); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 150)
 #   MEGATRAIN_COMMIT  recorded in the rows
+# The device tool brings back at most 8 files from $OUT: keep --profile to one run.
 # Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD` to
 # clean.tar (git-ignored, so the device tool needs carry=["clean.tar"]) and unpack it there.
 set -o pipefail
@@ -32,7 +33,7 @@ default_groups="tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cud
 IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
 for i in "${!groups[@]}"; do
   # eval: a group may quote its arguments (-k 'a or b')
-  eval "MEGATRAIN_RESULTS=\$OUT timeout \"\${TEST_TIMEOUT:-150}\" python -m pytest -m gpu -v \
+  eval "MEGATRAIN_RESULTS=\$OUT timeout \"\${TEST_TIMEOUT:-150}\" python -m pytest -m gpu -v -rxX \
     -p no:logging --tb=short ${groups[$i]}" > "$OUT/tests_$i.log" 2>&1 &
 done
 wait

@@ -309,6 +309,30 @@ def test_shared_weight_gradient_leaves_once_after_its_last_producer():
     assert [(t.kind, t.micro) for t in hosts] == [("host_acc", 0), ("host_step", 1)] * 2
 
 
+def test_copies_are_charged_link_bytes_and_host_memory():
+    """Weights cross the link as fp32 masters and gradients as fp32 (link_nbytes), not at
+    their bf16 device size; a host update is charged its 28 B/param plus the host memory
+    its region's copies move (two fetches of the master, one gradient write)."""
+    numel = random.randint(10**6, 10**7)
+    tied = random.random() < 0.5  # a weight read by two regions is fetched twice per pass
+    w = [Weight(0, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel),
+         Weight(1, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel)]
+    regions = [RegionSpec(0, (0,), (), 10, 1, 1, 10**9), RegionSpec(1, (1,), (0,), 10, 1, 1, 10**9),
+               RegionSpec(2, (0,) if tied else (), (1,), 10, 1, 1, 10**9)]
+    s = simulate(Problem(tuple(regions), tuple(w)), PlanConfig(2, None, 0, 1), H200, steps=1)
+
+    def seconds(kind, region):
+        (t,) = [t for t in s.graph if t.kind == kind and t.region == region and t.phase in ("fw", "host")]
+        return s.end[t] - s.start[t]
+
+    assert seconds("h2d", 1) == pytest.approx(4 * numel / H200.h2d)  # forward: h2d alone
+    fetches = 4 if tied else 2
+    host_bandwidth = 28 * H200.adamw
+    owner_of_0 = 0  # last in backward among its readers
+    assert seconds("host_step", 1) == pytest.approx((28 + 2 * 4 + 4) * numel / host_bandwidth)
+    assert seconds("host_step", owner_of_0) == pytest.approx((28 + fetches * 4 + 4) * numel / host_bandwidth)
+
+
 def test_validator_catches_broken_schedules():
     p = llama_like(4)
     plan = plan_step(p, 100 * GB, H200)

@@ -386,6 +386,7 @@ def run_system(args) -> dict:
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
     times, phases, loss = run_steps(1, first=True)
     rss_first_step = _status("VmHWM")  # compiling included
+    rss_after_first = _status("VmRSS")  # below the peak: something transient set it
     more, more_phases, loss = run_steps(args.steps - 1, first=False, start=1)
     times, phases = times + more, phases + more_phases
     # The thread sweep: the same compiled model and optimizer state, the host worker
@@ -424,7 +425,9 @@ def run_system(args) -> dict:
         # where it goes: the model as built (fp32 weights), the peak through the first step
         # (compiling, optimizer state, slabs), the peak at the end
         "host_bytes_per_param_phases": {"built": (rss_built - rss_base) / n_params,
-                                        "first_step": (rss_first_step - rss_base) / n_params},
+                                        "first_step": (rss_first_step - rss_base) / n_params,
+                                        "after_first_step_now": (rss_after_first - rss_base) / n_params,
+                                        "end_now": (_status("VmRSS") - rss_base) / n_params},
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,

@@ -201,6 +201,7 @@ def _train_cuda(model, updates: str, batches):
     return [p.detach().clone() for p in model.parameters()], losses, megatrain.explain(step).graphs[0]
 
 
+@pytest.mark.usefixtures("no_tf32")
 def test_backend_device_updates_match_host_updates_on_cuda():
     """The streaming runtime with every region's AdamW on the GPU (gradients kept there,
     master, m, v over the streamer's copy streams) against host updates, fp32, TF32 off.
@@ -218,17 +219,12 @@ def test_backend_device_updates_match_host_updates_on_cuda():
 
     from ..compiler.helpers import random_batches
 
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        torch.manual_seed(0)
-        model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688,
-                                  rope_theta=10000.0, tie_embeddings=False))
-        batches = random_batches(512, 3, batch=2, seq=64)
-        dev, dev_losses, plan = _train_cuda(model, "device", batches)
-        host, host_losses, host_plan = _train_cuda(model, "host", batches)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688,
+                              rope_theta=10000.0, tie_embeddings=False))
+    batches = random_batches(512, 3, batch=2, seq=64)
+    dev, dev_losses, plan = _train_cuda(model, "device", batches)
+    host, host_losses, host_plan = _train_cuda(model, "host", batches)
     assert set(plan.update_sites.values()) == {"device"} and len(plan.update_sites) == 3 + 2
     assert plan.streamer.device_updates.launched == 3 * 5
     assert set(host_plan.update_sites.values()) == {"host"}

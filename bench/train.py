@@ -283,6 +283,7 @@ def run_system(args) -> dict:
     model = _model(args.model, args.layers)
     _phase = "setting up"
     rss_built = _status("VmRSS")
+    rss_first_forward: list[int] = []
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -352,6 +353,8 @@ def run_system(args) -> dict:
             with autocast:
                 loss = step_fn(x, labels=y)
             t1 = time.perf_counter()
+            if compiling:  # weights homed, both graphs compiled; no optimizer state yet
+                rss_first_forward.append(_status("VmHWM"))
             _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
             loss.backward()
             t2 = time.perf_counter()
@@ -425,6 +428,7 @@ def run_system(args) -> dict:
         # where it goes: the model as built (fp32 weights), the peak through the first step
         # (compiling, optimizer state, slabs), the peak at the end
         "host_bytes_per_param_phases": {"built": (rss_built - rss_base) / n_params,
+                                        "first_forward": ((rss_first_forward or [rss_built])[0] - rss_base) / n_params,
                                         "first_step": (rss_first_step - rss_base) / n_params,
                                         "after_first_step_now": (rss_after_first - rss_base) / n_params,
                                         "end_now": (_status("VmRSS") - rss_base) / n_params},

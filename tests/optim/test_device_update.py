@@ -372,6 +372,24 @@ def test_host_worker_orders_later_tasks_after_tracked_work():
     worker.shutdown()
 
 
+def test_host_worker_counts_its_busy_time_not_its_waits():
+    """busy_s (AdamW.host_busy_s, the measured side of the cost model's host stream) sums
+    the tasks' running time; a task's wait for tracked work elsewhere is not busy time."""
+    worker = HostWorker(1)
+    a = torch.zeros(3)
+    worker.submit(time.sleep, 0.05).result(timeout=30)
+    assert 0.05 <= worker.busy_s < 1.0
+    before = worker.busy_s
+    outside: Future = Future()
+    worker.track(outside, [a])
+    queued = worker.submit(lambda: None, touches=[a])  # waits for `outside` first
+    time.sleep(0.2)
+    outside.set_result(None)
+    queued.result(timeout=30)
+    assert worker.busy_s - before < 0.1
+    worker.shutdown()
+
+
 # ---- what is refused, and why ----------------------------------------------------------------
 
 

@@ -12,11 +12,19 @@
 #                  zoo); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 150)
 #   MEGATRAIN_COMMIT  recorded in the rows
-# The device tool brings back at most 8 files from $OUT: keep --profile to one run.
+# The device tool brings back at most 8 files from $OUT: on exit (also when a `timeout`
+# around this script ends it), everything but the rows and logs goes into one extras.tgz.
 # Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD` to
 # clean.tar (git-ignored, so the device tool needs carry=["clean.tar"]) and unpack it there.
 set -o pipefail
 export PYTHONUNBUFFERED=1
+pack() {
+  (cd "$OUT" && if ls tests_*.log >/dev/null 2>&1; then cat tests_*.log > gpu_tests.log; rm -f tests_*.log; fi
+   extras=$(ls | grep -v -E '^(train|backend_gpu)\.jsonl$|^gpu_tests\.log$|^session\.log$|^extras\.tgz$')
+   [ -n "$extras" ] && tar czf extras.tgz $extras && rm -rf $extras) || true
+}
+trap pack EXIT
+trap 'exit 143' TERM
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
@@ -39,5 +47,5 @@ done
 wait
 if [ "${#groups[@]}" -gt 0 ]; then
   cat "$OUT"/tests_*.log > "$OUT/gpu_tests.log" && rm -f "$OUT"/tests_*.log
-  grep -E "PASSED|FAILED|ERROR|XFAIL|SKIPPED|^E  " "$OUT/gpu_tests.log" | cut -c1-200 | tail -60
+  grep -E "PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED|^E  " "$OUT/gpu_tests.log" | cut -c1-200 | tail -60
 fi

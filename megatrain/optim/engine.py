@@ -32,11 +32,9 @@ def _set_worker_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_no_grad(fn: Callable[..., Any], args: tuple, after: tuple[Future, ...] = ()) -> Any:
+def _run_no_grad(fn: Callable[..., Any], args: tuple) -> Any:
     # Grad mode is thread-local and on by default in a new thread: in-place updates of
     # leaf parameters would be refused by autograd without this.
-    for f in after:  # tracked work elsewhere on the same tensors (see HostWorker.track)
-        f.result()
     with torch.no_grad():
         return fn(*args)
 
@@ -51,8 +49,8 @@ class _Timed:
         self.worker = worker
 
     def __call__(self, fn: Callable[..., Any], args: tuple, after: tuple[Future, ...]) -> Any:
-        for f in after:  # waiting on other work is not this worker's busy time
-            f.result()
+        for f in after:  # tracked work elsewhere on the same tensors (see HostWorker.track);
+            f.result()  # waiting for it is not this worker's busy time
         t0 = time.perf_counter()
         try:
             return _run_no_grad(fn, args)

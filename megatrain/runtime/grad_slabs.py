@@ -7,9 +7,9 @@ parameters (the host budget is 12 bytes per parameter). Here a region's gradient
 packed into one slab sized for the largest region; a slab returns to the free list once
 the optimizer has consumed its gradients, and the runtime waits for one (backpressure)
 rather than growing past `max_slabs`. Host memory for gradients is then a few regions.
-Slabs are page-locked in place (host_store.page_locked), not taken from torch's pinned
-allocator: that one would round a 262 MB slab (a 1.3B model's embedding gradient in fp32)
-up to 512 MB and keep every outgrown slab cached for good.
+Slabs are page-locked in place (host_store.page_locked_tensor), not taken from torch's
+pinned allocator: that one would round a 262 MB slab (a 1.3B model's embedding gradient
+in fp32) up to 512 MB and keep every outgrown slab cached for good.
 
 With the gradient backlog (grad_backlog.py) the runtime asks for a slab without blocking
 (`try_open`); the backlog's pump also yields a free slab to a backward blocked on one.
@@ -18,11 +18,10 @@ With the gradient backlog (grad_backlog.py) the runtime asks for a slab without 
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
-from .host_store import page_locked
+from .host_store import page_locked_tensor
 
 _ALIGN = 64  # bytes: every gradient starts on a cache line
 
@@ -31,12 +30,7 @@ class Slab:
     """One region's gradients, packed; `carve` hands out consecutive aligned views."""
 
     def __init__(self, nbytes: int, pin: bool):
-        if pin:
-            self.buf, lock = page_locked(nbytes, torch.uint8, users=1)
-            if lock is not None:  # unlock before the pages can go back to the allocator
-                weakref.finalize(self.buf, lock.drop)
-        else:
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.buf = page_locked_tensor(nbytes, torch.uint8) if pin else torch.empty(nbytes, dtype=torch.uint8)
         self.used = 0
 
     def carve(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:

@@ -74,6 +74,15 @@ def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tenso
     return pages[:nbytes].view(dtype), _PageLock(pages.data_ptr(), span, users)
 
 
+def page_locked_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """`page_locked` for a buffer with one owner: the returned tensor; its pages are
+    unlocked when it is collected (before its storage can be freed)."""
+    buf, lock = page_locked(numel, dtype, users=1)
+    if lock is not None:
+        weakref.finalize(buf, lock.drop)
+    return buf
+
+
 _registered: dict[int, int] = {}  # start address -> end address of ranges page_locked() holds
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..compiler.costs import Rates
-from .host_store import page_locked
+from .host_store import page_locked_tensor
 
 
 @dataclass(frozen=True)
@@ -90,25 +90,11 @@ def _timed(device: torch.device, work: Callable[[], None]) -> float:
 def _copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float, float]:
     n = max(nbytes // 2, 1)
     cuda = device.type == "cuda"
-    if cuda:
-        # Page-locked in place, unlocked and freed on return: torch's pinned allocator
-        # would keep these 2 x 256 MB cached (and resident) for the life of the process.
-        (host_src, src_lock), (host_dst, dst_lock) = (page_locked(n, torch.bfloat16, users=1) for _ in range(2))
-        host_src.fill_(1)
-        try:
-            return _timed_copies(device, host_src, host_dst, repeats)
-        finally:
-            for lock in (src_lock, dst_lock):
-                if lock is not None:
-                    lock.drop()
-    return _timed_copies(device, torch.ones(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16),
-                         repeats)
-
-
-def _timed_copies(device: torch.device, host_src: torch.Tensor, host_dst: torch.Tensor,
-                  repeats: int) -> tuple[float, float, float]:
-    n = host_src.numel()
-    cuda = device.type == "cuda"
+    # Page-locked in place, unlocked and freed on return: torch's pinned allocator would
+    # keep these 2 x 256 MB cached (and resident) for the life of the process.
+    host_src = page_locked_tensor(n, torch.bfloat16) if cuda else torch.empty(n, dtype=torch.bfloat16)
+    host_dst = page_locked_tensor(n, torch.bfloat16) if cuda else torch.empty(n, dtype=torch.bfloat16)
+    host_src.fill_(1)
     dev_src = torch.ones(n, dtype=torch.bfloat16, device=device)
     dev_dst = torch.empty(n, dtype=torch.bfloat16, device=device)
     nb = n * 2

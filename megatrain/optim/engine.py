@@ -39,25 +39,6 @@ def _run_no_grad(fn: Callable[..., Any], args: tuple) -> Any:
         return fn(*args)
 
 
-class _Timed:
-    """A task that adds its running time to its worker's `busy_s` (the cost model's
-    host-stream seconds, measured: `bench/train.py` compares the two)."""
-
-    __slots__ = ("worker",)
-
-    def __init__(self, worker: "HostWorker") -> None:
-        self.worker = worker
-
-    def __call__(self, fn: Callable[..., Any], args: tuple, after: tuple[Future, ...]) -> Any:
-        for f in after:  # tracked work elsewhere on the same tensors (see HostWorker.track);
-            f.result()  # waiting for it is not this worker's busy time
-        t0 = time.perf_counter()
-        try:
-            return _run_no_grad(fn, args)
-        finally:
-            self.worker.busy_s += time.perf_counter() - t0
-
-
 class HostWorker:
     """A single FIFO worker thread with ``threads`` intra-op threads, tracking per tensor
     the last task that touches it so callers can wait for exactly what they need."""
@@ -81,7 +62,6 @@ class HostWorker:
         self._outstanding: list[Future] = []
         self._tracked: set[Future] = set()  # pending futures of work done elsewhere
         self.busy_s = 0.0  # seconds spent running tasks, since creation (written by the thread)
-        self._timed = _Timed(self)
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def submit(
@@ -92,12 +72,24 @@ class HostWorker:
         touches = list(touches)
         with self._lock:
             after = {id(f): f for t in touches if (f := self._last.get(t)) in self._tracked}
-            future = self._pool.submit(self._timed, fn, args, tuple(after.values()))
+            future = self._pool.submit(self._run, fn, args, tuple(after.values()))
             self._outstanding = [f for f in self._outstanding if not f.done()]
             self._outstanding.append(future)
             for t in touches:
                 self._last[t] = future
         return future
+
+    def _run(self, fn: Callable[..., Any], args: tuple, after: tuple[Future, ...]) -> Any:
+        """On the thread: wait for tracked work elsewhere on the same tensors (see
+        `track`; not busy time), then run the task and add its time to `busy_s` (the
+        cost model's host-stream seconds, measured: `bench/train.py` compares the two)."""
+        for f in after:
+            f.result()
+        t0 = time.perf_counter()
+        try:
+            return _run_no_grad(fn, args)
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def track(self, future: Future, touches: Iterable[torch.Tensor]) -> None:
         """Count work running elsewhere (a device update) as the last task touching

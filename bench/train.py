@@ -231,19 +231,16 @@ def run_probe(args) -> dict:
 def _megatrain_stats(step_fn) -> dict:
     import megatrain
 
-    stats = [g.streamer.last_stats for g in megatrain.explain(step_fn).graphs
-             if g.streamer is not None and g.streamer.last_stats is not None]
     plan = megatrain.explain(step_fn)
+    stats = [g.streamer.last_stats for g in plan.graphs
+             if g.streamer is not None and g.streamer.last_stats is not None]
     schedules = [g.schedule.plan.schedule for g in plan.graphs if g.schedule is not None]
 
     def per_step(stream: str) -> float:  # the cost model's busy seconds of one stream
         return sum(sum(s.end[t] - s.start[t] for t in s.streams[stream]) / s.steps for s in schedules)
 
-    def measured(attr: str) -> float:  # seconds covered by the last step's CUDA event pairs
-        pairs = [p for s in stats for p in getattr(s, attr)]
-        if pairs:
-            pairs[-1][2].synchronize()
-        return sum(a.elapsed_time(b) for _, a, b in pairs) / 1e3
+    def measured(pairs: str) -> float:  # seconds covered by the last step's CUDA event pairs
+        return sum(s.event_seconds(pairs) for s in stats)
 
     return {"predicted_step_s": plan.predicted_step_s,
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),

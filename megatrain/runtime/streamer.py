@@ -128,12 +128,18 @@ class StepStats:
     computes: list = field(default_factory=list)  # CUDA (region, weights ready, evicted) on compute
     grad_copies: list = field(default_factory=list)  # CUDA (region, started, done) on the D2H stream
 
+    def event_seconds(self, pairs: str) -> float:
+        """Seconds covered by one list of (region, start, end) CUDA event pairs, e.g.
+        "computes" or "grad_copies" (blocks until the last of them has completed)."""
+        events = getattr(self, pairs)
+        if not events:
+            return 0.0
+        events[-1][2].synchronize()
+        return sum(a.elapsed_time(b) for _, a, b in events) / 1e3
+
     def h2d_busy_s(self) -> float:
         """Seconds the host-to-device stream spent on weight copies (and device casts)."""
-        if not self.transfers:
-            return 0.0
-        self.transfers[-1][2].synchronize()
-        return sum(a.elapsed_time(b) for _, a, b in self.transfers) / 1e3
+        return self.event_seconds("transfers")
 
     def stall_by_region(self) -> dict[int, float]:
         """Seconds of compute-stream stall per region (see transfer_stall_s)."""
@@ -738,7 +744,8 @@ class Streamer:
         started, done = torch.cuda.Event(enable_timing=timed), torch.cuda.Event(enable_timing=timed)
         with torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(produced)
-            started.record(self.d2h_stream)
+            if timed:
+                started.record(self.d2h_stream)
             staged.copy_(snapshot, non_blocking=True)
             done.record(self.d2h_stream)
         if timed:

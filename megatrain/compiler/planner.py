@@ -38,6 +38,7 @@ step: a heuristic free to reorder streams would lose that (list-scheduling anoma
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import heapq
@@ -286,7 +287,7 @@ class _Shape:
         self.owned = {o: tuple(ws) for o, ws in owned.items()}
         # Host memory bytes the copies of each owner's weights move per micro-batch: every
         # fetch reads the master, every gradient copy writes it (see costs.host_step_seconds).
-        fetches = {w: sum(w in self.reads[ph][r] for ph in self.phases for r in self.fw) for w in self.owner}
+        fetches = collections.Counter(w for ph in self.phases for ws in self.reads[ph].values() for w in ws)
         self.copy_bytes = {o: sum(fetches[w] * self.weight[w].h2d_bytes + self.weight[w].d2h_bytes for w in ws)
                            for o, ws in self.owned.items()}
         n = len(self.fw)

@@ -280,7 +280,7 @@ def run_system(args) -> dict:
     model = _model(args.model, args.layers)
     _phase = "setting up"
     rss_built = _status("VmRSS")
-    rss_first_forward: list[int] = []
+    rss_first_forward = rss_built  # the peak after the first forward (megatrain: compiled)
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -336,6 +336,7 @@ def run_system(args) -> dict:
     def run_steps(count: int, first: bool, start: int = 0) -> tuple[list[float], list[dict], float]:
         """`count` timed steps on batches start.. : step times, host time per call, last loss."""
         global _phase
+        nonlocal rss_first_forward
         times, phases, loss = [], [], None
         host_busy = getattr(opt, "host_busy_s", None)  # megatrain.AdamW's measured update time
         for i in range(count):
@@ -351,7 +352,7 @@ def run_system(args) -> dict:
                 loss = step_fn(x, labels=y)
             t1 = time.perf_counter()
             if compiling:  # weights homed, both graphs compiled; no optimizer state yet
-                rss_first_forward.append(_status("VmHWM"))
+                rss_first_forward = _status("VmHWM")
             _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
             loss.backward()
             t2 = time.perf_counter()
@@ -425,7 +426,7 @@ def run_system(args) -> dict:
         # where it goes: the model as built (fp32 weights), the peak through the first step
         # (compiling, optimizer state, slabs), the peak at the end
         "host_bytes_per_param_phases": {"built": (rss_built - rss_base) / n_params,
-                                        "first_forward": ((rss_first_forward or [rss_built])[0] - rss_base) / n_params,
+                                        "first_forward": (rss_first_forward - rss_base) / n_params,
                                         "first_step": (rss_first_step - rss_base) / n_params,
                                         "after_first_step_now": (rss_after_first - rss_base) / n_params,
                                         "end_now": (_status("VmRSS") - rss_base) / n_params},

@@ -171,6 +171,21 @@ def _checkpoint_layers(model) -> None:
         layer.forward = lambda *a, _f=forward: ckpt.checkpoint(_f, *a, use_reentrant=False)
 
 
+def _rss_phases(rss: dict[str, tuple[int, int]], base: int, n_params: int) -> dict[str, dict[str, float]]:
+    """B/param over `base` at each marked point: the peak so far and the RSS then; at the end
+    also after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
+    rss = dict(rss, end=(_status("VmHWM"), _status("VmRSS")))
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        rss["end_trimmed"] = (_status("VmHWM"), _status("VmRSS"))
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return {k: {"peak": round((hwm - base) / n_params, 3), "now": round((now - base) / n_params, 3)}
+            for k, (hwm, now) in rss.items()}
+
+
 def _status(key: str) -> int:
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):
@@ -279,8 +294,12 @@ def run_system(args) -> dict:
     _phase = "building the model"
     model = _model(args.model, args.layers)
     _phase = "setting up"
-    rss_built = _status("VmRSS")
-    rss_first_forward = rss_built  # the peak after the first forward (megatrain: compiled)
+    # Host memory at named points, (peak so far, now), to split the bytes per parameter
+    # between the model, the probe and compiling, the slabs and the optimizer's state.
+    rss = {"built": (_status("VmHWM"), _status("VmRSS"))}
+
+    def mark(point: str) -> None:
+        rss[point] = (_status("VmHWM"), _status("VmRSS"))
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -336,7 +355,6 @@ def run_system(args) -> dict:
     def run_steps(count: int, first: bool, start: int = 0) -> tuple[list[float], list[dict], float]:
         """`count` timed steps on batches start.. : step times, host time per call, last loss."""
         global _phase
-        nonlocal rss_first_forward
         times, phases, loss = [], [], None
         host_busy = getattr(opt, "host_busy_s", None)  # megatrain.AdamW's measured update time
         for i in range(count):
@@ -351,11 +369,13 @@ def run_system(args) -> dict:
             with autocast:
                 loss = step_fn(x, labels=y)
             t1 = time.perf_counter()
-            if compiling:  # weights homed, both graphs compiled; no optimizer state yet
-                rss_first_forward = _status("VmHWM")
+            if compiling:  # weights homed, the forward compiled; no optimizer state yet
+                mark("first_forward")
             _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
             loss.backward()
             t2 = time.perf_counter()
+            if compiling:  # the backward compiled, gradients through the slabs
+                mark("first_backward")
             _phase = f"step {i} optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -385,9 +405,9 @@ def run_system(args) -> dict:
 
     if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
+    mark("set_up")  # the probe ran (megatrain on CUDA), the optimizer exists
     times, phases, loss = run_steps(1, first=True)
-    rss_first_step = _status("VmHWM")  # compiling included
-    rss_after_first = _status("VmRSS")  # below the peak: something transient set it
+    mark("first_step")  # the optimizer's state exists
     more, more_phases, loss = run_steps(args.steps - 1, first=False, start=1)
     times, phases = times + more, phases + more_phases
     # The thread sweep: the same compiled model and optimizer state, the host worker
@@ -425,11 +445,7 @@ def run_system(args) -> dict:
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         # where it goes: the model as built (fp32 weights), the peak through the first step
         # (compiling, optimizer state, slabs), the peak at the end
-        "host_bytes_per_param_phases": {"built": (rss_built - rss_base) / n_params,
-                                        "first_forward": (rss_first_forward - rss_base) / n_params,
-                                        "first_step": (rss_first_step - rss_base) / n_params,
-                                        "after_first_step_now": (rss_after_first - rss_base) / n_params,
-                                        "end_now": (_status("VmRSS") - rss_base) / n_params},
+        "host_bytes_per_param_phases": _rss_phases(rss, rss_base, n_params),
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
@@ -623,6 +639,9 @@ def main(argv=None) -> int:
                   f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}")
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
+        if r.get("host_bytes_per_param_phases"):
+            print(f"{'':18s} host B/param (peak/now): " + ", ".join(
+                f"{k} {v['peak']:.2f}/{v['now']:.2f}" for k, v in r["host_bytes_per_param_phases"].items()))
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

@@ -171,19 +171,37 @@ def _checkpoint_layers(model) -> None:
         layer.forward = lambda *a, _f=forward: ckpt.checkpoint(_f, *a, use_reentrant=False)
 
 
-def _rss_phases(rss: dict[str, tuple[int, int]], base: int, n_params: int) -> dict[str, dict[str, float]]:
-    """B/param over `base` at each marked point: the peak so far and the RSS then; at the end
-    also after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
-    rss = dict(rss, end=(_status("VmHWM"), _status("VmRSS")))
+def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
+                n_params: int) -> dict[str, dict[str, float]]:
+    """B/param over the baseline at each marked point: the peak RSS so far, the RSS then, and
+    its anonymous part (RssAnon: without the file-backed pages of the libraries and code the
+    process maps, which the kernel can drop and other processes share); at the end also
+    after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
+    now = lambda: (_status("VmHWM"), _status("VmRSS"), _status("RssAnon"))  # noqa: E731
+    rss = dict(rss, end=now())
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        rss["end_trimmed"] = (_status("VmHWM"), _status("VmRSS"))
+        rss["end_trimmed"] = now()
     except (OSError, AttributeError):  # not glibc
         pass
-    return {k: {"peak": round((hwm - base) / n_params, 3), "now": round((now - base) / n_params, 3)}
-            for k, (hwm, now) in rss.items()}
+    return {k: {"peak": round((hwm - base) / n_params, 3), "now": round((cur - base) / n_params, 3),
+                "anon": round((anon - anon_base) / n_params, 3)} for k, (hwm, cur, anon) in rss.items()}
+
+
+def _load_cuda_libraries(device) -> None:
+    """Create the CUDA context and load the kernels every system here uses (cuBLAS GEMMs,
+    SDPA, forward and backward) before the host-memory baseline: the host memory they take
+    (the context, library images) is the process's, not the model's."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.randn(256, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (x @ x).float().sum().backward()
+    q = torch.randn(1, 4, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
+    torch.cuda.synchronize(device)
 
 
 def _status(key: str) -> int:
@@ -288,18 +306,20 @@ def run_system(args) -> dict:
     threads = [(int(t.split("/")[0]), t.partition("/")[2] or "default")
                for t in args.optim_threads.split(",")] if args.optim_threads else []
     if cuda:
-        torch.empty(1, device=device)  # the CUDA context's host memory is not the model's
+        _load_cuda_libraries(device)
     _refuse_if_unfit(args.system, _param_count(args.model, args.layers), device)
-    rss_base = _status("VmRSS")
+    rss_base, anon_base = _status("VmRSS"), _status("RssAnon")
     _phase = "building the model"
     model = _model(args.model, args.layers)
     _phase = "setting up"
     # Host memory at named points, (peak so far, now), to split the bytes per parameter
     # between the model, the probe and compiling, the slabs and the optimizer's state.
-    rss = {"built": (_status("VmHWM"), _status("VmRSS"))}
+    rss = {}
 
     def mark(point: str) -> None:
-        rss[point] = (_status("VmHWM"), _status("VmRSS"))
+        rss[point] = (_status("VmHWM"), _status("VmRSS"), _status("RssAnon"))
+
+    mark("built")
     n_params = sum(p.numel() for p in model.parameters())
     batch = args.tokens // args.seq
     data = _tokens(args.tokens * (args.steps + 1), model.config.vocab_size).view(-1, batch, args.seq)
@@ -445,7 +465,7 @@ def run_system(args) -> dict:
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         # where it goes: the model as built (fp32 weights), the peak through the first step
         # (compiling, optimizer state, slabs), the peak at the end
-        "host_bytes_per_param_phases": _rss_phases(rss, rss_base, n_params),
+        "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
@@ -640,8 +660,9 @@ def main(argv=None) -> int:
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         if r.get("host_bytes_per_param_phases"):
-            print(f"{'':18s} host B/param (peak/now): " + ", ".join(
-                f"{k} {v['peak']:.2f}/{v['now']:.2f}" for k, v in r["host_bytes_per_param_phases"].items()))
+            print(f"{'':18s} host B/param (peak/now/anon): " + ", ".join(
+                f"{k} {v['peak']:.2f}/{v['now']:.2f}/{v.get('anon', float('nan')):.2f}"
+                for k, v in r["host_bytes_per_param_phases"].items()))
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

@@ -692,14 +692,11 @@ class Streamer:
         """Keep gradients that find no free slab on the device, within the reserve of
         place_updates, and send them to the host earliest deadline first (grad_backlog.py).
         ``handoffs``: the backward's (region, param id) hand-offs; regions holding part of a
-        tied weight's gradient stay on the slab path. Two slabs suffice then (one region
-        being updated, one copied and waiting): more would only queue more regions ahead
-        of the one the next forward needs first."""
+        tied weight's gradient stay on the slab path."""
         assert self.reserve is not None, "place_updates first"
         counts = collections.Counter(p for _, p in handoffs)
         tied = {r for r, p in handoffs if counts[p] > 1}
         self.backlog = GradBacklog(self.device, self.reserve, tied)
-        self._slabs.max_slabs = 2
 
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the

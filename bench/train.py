@@ -441,6 +441,15 @@ def run_system(args) -> dict:
             set_grad_transfer(dtype)
             ts, _, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
             sweep.append({"threads": n, "grads": dtype, "step_s": statistics.median(ts[1:])})
+    # The slab sweep: the gradient slabs' bound changed between runs of timed steps on the
+    # same compiled model (the first step allocated the default's; extra slabs come lazily).
+    slabs_sweep = []
+    for n in (int(v) for v in args.grad_slabs.split(",")) if args.grad_slabs and args.system == "megatrain" else ():
+        for graph in megatrain.explain(step_fn).graphs:
+            if graph.streamer is not None:
+                graph.streamer._slabs.max_slabs = n
+        ts, _, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
+        slabs_sweep.append({"grad_slabs": n, "step_s": statistics.median(ts[1:])})
     if args.profile:
         _profile_step(args, lambda: run_steps(1, first=False))
         if args.system == "megatrain":  # predicted and measured schedule, for Perfetto
@@ -474,6 +483,8 @@ def run_system(args) -> dict:
     }
     if sweep:
         row["threads_sweep"] = sweep
+    if slabs_sweep:
+        row["slabs_sweep"] = slabs_sweep
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
         row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9
@@ -567,6 +578,9 @@ def main(argv=None) -> int:
     p.add_argument("--optim-threads", default=None,
                    help="megatrain.AdamW threads; a list (16,8,8/bf16) sweeps them in one process, "
                         "each optionally with the gradients' transfer dtype")
+    p.add_argument("--grad-slabs", default=None,
+                   help="megatrain: after the timed steps, time again with each bound on the gradient "
+                        "slabs in this list (2,4,2,4: alternate to see drift)")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
@@ -626,7 +640,9 @@ def main(argv=None) -> int:
                      + (f"{row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else "-")
                      + f", host {row['host_bytes_per_param']:.1f} B/param"
                      + (f", threads sweep {[(str(t['threads']) + '/' + t['grads'], round(t['step_s'], 3)) for t in row['threads_sweep']]}"
-                        if row.get("threads_sweep") else ""))
+                        if row.get("threads_sweep") else "")
+                     + (f", slabs sweep {[(t['grad_slabs'], round(t['step_s'], 3)) for t in row['slabs_sweep']]}"
+                        if row.get("slabs_sweep") else ""))
     compiled_at = {r["layers"]: r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     print(f"probe: {probe}")
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "

@@ -6,7 +6,6 @@ with TF32 off: fp32 on CUDA drifts from fp32 on the CPU by ~1e-4 after a few Ada
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from megatrain.models import Llama, LlamaConfig
 
 from ..compiler.helpers import param_bytes, rel, random_batches, train_side_by_side
 from ..compiler.test_backend_cpu import MODELS
+from .results import record_result
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -85,24 +85,15 @@ def _peak_of_one_step(layers: int, budget_fraction: float | None = None):
     return peak, budget, param_bytes(model)
 
 
-def _record(name: str, row: dict) -> None:
-    """Append a result row where the device run collects them (MEGATRAIN_RESULTS=dir)."""
-    out = os.environ.get("MEGATRAIN_RESULTS")
-    if out:
-        row = {"test": name, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **row}
-        with open(os.path.join(out, "backend_gpu.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-
 def test_32_layers_in_a_quarter_of_the_weights():
     peak, budget, weights = _peak_of_one_step(32, budget_fraction=0.25)
-    _record("32_layers_quarter_budget", {"peak": peak, "budget": budget, "fp32_weight_bytes": weights})
+    record_result("32_layers_quarter_budget", {"peak": peak, "budget": budget, "fp32_weight_bytes": weights})
     assert peak <= budget, (peak, budget)
 
 
 def test_peak_is_flat_in_depth():
     peaks = [_peak_of_one_step(n)[0] for n in (8, 16, 32)]
-    _record("peak_vs_depth", {"layers": [8, 16, 32], "peak": peaks})
+    record_result("peak_vs_depth", {"layers": [8, 16, 32], "peak": peaks})
     assert max(peaks) <= 1.10 * min(peaks), peaks
 
 
@@ -218,6 +209,6 @@ def test_prefetch_hides_the_graph_break_on_cuda(tmp_path):
     stall = before.elapsed_time(after)
     copies = sorted(a.elapsed_time(b) for _, a, b in second.transfers)
     typical_copy = copies[len(copies) // 2]
-    _record("graph_break_stall", {"boundary_stall_ms": stall, "median_copy_ms": typical_copy,
+    record_result("graph_break_stall", {"boundary_stall_ms": stall, "median_copy_ms": typical_copy,
                                    "stall_by_region_s": second.stall_by_region()})
     assert stall < 0.25 * typical_copy, (stall, typical_copy)

@@ -14,7 +14,7 @@ import megatrain
 
 from ..compiler.helpers import param_bytes
 from ..compiler.test_hf_zoo import ZOO
-from .test_backend_cuda import _record
+from .results import record_result
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def test_zoo_bf16_on_cuda_tracks_eager_autocast(name):
             o.step()
             o.zero_grad()
     plan = megatrain.explain(step)
-    _record(f"zoo_bf16_{name}", {"worst_rel_loss_gap": worst, "losses": losses,
+    record_result(f"zoo_bf16_{name}", {"worst_rel_loss_gap": worst, "losses": losses,
                                  "budget": budget, "peak": plan.measured_peak_bytes})
     assert worst < 0.02, losses
     assert plan.measured_peak_bytes <= budget

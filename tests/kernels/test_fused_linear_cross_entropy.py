@@ -25,6 +25,7 @@ from megatrain.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_op,
     fused_linear_cross_entropy_reference,
 )
+from tests.gpu.results import record_result
 
 # (tokens, hidden, vocab, chunk_size, ignored tokens, reduction)
 CPU_CASES = [
@@ -217,9 +218,10 @@ def test_random_shapes(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="H200, torch 2.11 (2026-12-02): the extra peak was "
-                   "grad_weight + grad_hidden twice, i.e. autograd copied them, before ctx "
-                   "dropped mark_non_differentiable's references; not yet rerun on the GPU")
+@pytest.mark.xfail(strict=False, reason="H200, torch 2.11: still over (2026-12-03, no numbers kept). "
+                   "bench_kernels at V=128k (4 chunks) measured 0.55 GiB beyond grad_weight + "
+                   "grad_hidden + one chunk, at V=32k (one chunk) nothing: not yet located; the "
+                   "row this test writes lists the blocks live at the peak")
 def test_gpu_peak_memory():
     """Beyond inputs, only grad_weight, grad_hidden and one logits chunk are ever allocated."""
     n, h, v, chunk = 4096, 1024, 32000, 512
@@ -229,12 +231,42 @@ def test_gpu_peak_memory():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
-    gh, gw = grads(loss, (hidden, weight), None)
-    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(stacks="python")
+    try:
+        loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+        gh, gw = grads(loss, (hidden, weight), None)
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
     extra = torch.cuda.max_memory_allocated() - base
     budget = (v * h + n * h + chunk * v) * 2
-    assert extra <= budget + 2**20, f"extra {extra / 2**20:.1f} MiB > {budget / 2**20:.1f} MiB"
+    at_peak = blocks_at_peak(trace)
+    record_result("flce_peak", {"extra": extra, "budget": budget, "live_at_peak": at_peak})
+    assert extra <= budget + 2**20, f"extra {extra / 2**20:.1f} MiB > {budget / 2**20:.1f} MiB: {at_peak}"
+
+
+def blocks_at_peak(trace: list[dict]) -> list[str]:
+    """Replay a CUDA allocator trace (torch.cuda.memory._snapshot): the blocks allocated
+    while recording that were live when their sum peaked, biggest first, each with the
+    innermost frame in megatrain or the tests that allocated it."""
+    live, total, peak, at_peak = {}, 0, -1, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+
+    def where(event):
+        frames = [f for f in event.get("frames", ()) if "megatrain" in f["filename"] or "tests" in f["filename"]]
+        f = frames[0] if frames else (event.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        return f"{f['name']} ({f['filename'].rsplit('/', 1)[-1]}:{f['line']})"
+
+    return [f"{e['size'] / 2**20:.1f} MiB at {where(e)}"
+            for e in sorted(at_peak.values(), key=lambda e: -e["size"])]
 
 
 @gpu_each_dtype

@@ -544,7 +544,11 @@ def _error_text(stderr: str, returncode: int) -> str:
 
 
 def _child(args, argv, system: str, layers: int | None = None) -> dict:
-    cmd = [sys.executable, __file__, "--system", system] + [a for a in argv if a != "--smoke"]
+    """Run one system in its own process; "megatrain+backlog" adds --backlog to its flags
+    (variants of one system, alternated in one run, compare side by side)."""
+    base, *flags = system.split("+")
+    cmd = [sys.executable, __file__, "--system", base] + [a for a in argv if a != "--smoke"] \
+        + [f"--{flag}" for flag in flags]
     if args.smoke:
         cmd += ["--model", "tiny", "--device", "cpu", "--precision", "fp32", "--tokens", "512",
                 "--seq", "64", "--steps", "4", "--warmup", "1"]
@@ -571,7 +575,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--systems", default="resident-compiled,resident,fsdp2-offload,megatrain")
+    p.add_argument("--systems", default="resident-compiled,resident,fsdp2-offload,megatrain",
+                   help="comma-separated, run in order; a variant adds flags to one entry "
+                        "(megatrain+backlog); repeat entries (A,B,A,B) to see drift")
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
@@ -615,8 +621,9 @@ def main(argv=None) -> int:
 
     systems = args.systems.split(",")
     for system in systems:
-        if system not in SYSTEMS:
-            raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        if system.split("+")[0] not in SYSTEMS:
+            raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)} "
+                             "(a variant adds flags: megatrain+backlog)")
     depths = [int(n) for n in args.layers.split(",")] if args.layers else [None]
     meta = run_metadata()
     start = time.perf_counter()
@@ -627,6 +634,8 @@ def main(argv=None) -> int:
         for system in systems:
             progress(f"{system} {args.model}" + (f" at {layers} layers" if layers else "") + " ...")
             row = _child(args, argv, system, layers)
+            if "+" in system:
+                row["variant"] = system
             row.update(model=args.model, layers=row.get("layers") or _config(args.model, layers).layers,
                        tokens_per_step=args.tokens, seq=args.seq, **meta)
             if probe and "error" not in probe and "error" not in row:
@@ -648,7 +657,8 @@ def main(argv=None) -> int:
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "
           f"{'RSS GiB':>7s} {'B/par':>5s} {'vs comp':>7s} {'stall s':>7s} {'optw s':>6s} {'PCIe':>5s} {'bound':>5s}")
     for r in rows:
-        name = f"{r['system']} L{r['layers']}" if len(depths) > 1 else r["system"]
+        name = r.get("variant", r["system"])
+        name = f"{name} L{r['layers']}" if len(depths) > 1 else name
         if "error" in r:
             print(f"{name:18s} error: {r['error']}")
             continue

@@ -6,7 +6,8 @@
 #   bash bench/gpu_session.sh
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  megatrain vs resident-compiled at 16k tokens with a profile); "" skips
+#                  at 16k tokens, resident-compiled, then megatrain with and without the
+#                  backlog, alternated); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 300)
 #   TEST_GROUPS    pytest target groups separated by ';' (default: runtime+backend, kernels,
 #                  zoo); "" skips
@@ -28,7 +29,7 @@ trap 'exit 143' TERM
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,resident-compiled --profile $OUT"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+backlog,megatrain,megatrain+backlog"
 while IFS= read -r run; do
   [ -z "$run" ] && continue
   echo "== bench/train.py $run"

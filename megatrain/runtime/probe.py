@@ -1,7 +1,7 @@
 """Measure this machine's rates once and cache them: what the planner's cost model reads.
 
 Measured: pinned H2D, D2H, both at once (separate streams), matmul FLOP/s in the compute
-dtype, and torch's fused AdamW on the CPU (parameters/s). On a CPU-only machine the
+dtype (a Linear's forward and backward products: the layouts training runs), and torch's fused AdamW on the CPU (parameters/s). On a CPU-only machine the
 "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 
@@ -131,11 +131,20 @@ def _copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float,
 
 
 def _matmul_rate(device: torch.device, n: int, repeats: int) -> float:
+    """FLOP/s of a training step's GEMM mix: a Linear's forward (x @ W.T) and its two
+    backward products (g @ W, g.T @ x), timed together: training runs the three layouts in
+    equal FLOPs, and they differ in speed (the 3B/32k profile's GEMMs averaged ~710 TFLOP/s
+    on the H200, where one square x @ W product measured 786)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    t = _best(lambda: _timed(device, lambda: torch.mm(a, b)), repeats)
-    return 2 * n ** 3 / t
+    x, w, g = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
+
+    def linear_forward_and_backward():
+        torch.mm(x, w.t())
+        torch.mm(g, w)
+        torch.mm(g.t(), x)
+
+    t = _best(lambda: _timed(device, linear_forward_and_backward), repeats)
+    return 3 * 2 * n ** 3 / t
 
 
 def _adamw_rate(numel: int, repeats: int) -> tuple[float, str]:

@@ -558,6 +558,34 @@ def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int) -> None:
                     data.append((h, Task("h2d", r, "fw", 0, d.step + 1)))
 
 
+_BUFFER_KINDS = {"work": "working set", "act": "boundary activations", "reload": "reloaded activations",
+                 "actgrad": "activation gradients", "weights": "weights", "grad": "weight gradients"}
+
+
+def live_at(sh: "_Shape", cfg: PlanConfig, at: Task) -> dict[str, tuple[int, int]]:
+    """Device bytes live at `at` (a compute op of one step of `cfg`) by buffer kind (keys of
+    _BUFFER_KINDS, and "base"): (bytes, buffers). They sum to the peak when `at` is where
+    the program peaks."""
+    prog = _program(sh, cfg, 1, memory_only=True)
+    pos = {t: i for i, t in enumerate(prog.compute)}
+    i = pos[at]
+    kinds: dict[str, tuple[int, int]] = {}
+    for b in prog.buffers:
+        if pos[b.alloc] <= i <= pos[b.free] and b.nbytes:
+            n, c = kinds.get(b.key[0], (0, 0))
+            kinds[b.key[0]] = (n + b.nbytes, c + 1)
+    if sh.problem.base_bytes:
+        kinds["base"] = (sh.problem.base_bytes, 1)
+    return kinds
+
+
+def describe_live(kinds: dict[str, tuple[int, int]]) -> str:
+    """The part of an infeasible-budget error that says what to shrink, largest first."""
+    parts = sorted(kinds.items(), key=lambda kv: -kv[1][0])
+    return ", ".join(f"{_BUFFER_KINDS.get(k, 'inputs and workspace')} {format_bytes(n)}"
+                     + (f" ({c})" if c > 1 else "") for k, (n, c) in parts)
+
+
 def program_peak(prog: Program, base=0) -> tuple[object, Task | None]:
     """Peak device bytes of a program: walk the compute stream, allocate at an op's start,
     free at its end. Works for int and sympy sizes alike (for sympy, see `peak_expression`)."""
@@ -915,7 +943,8 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
                     fits.append(cfg)
     if not fits:
         p, at, cfg = leanest
-        where = f" (during the {'forward' if at.phase == 'fw' else 'backward'} of region {at.region})" if at else ""
+        where = f" (during the {'forward' if at.phase == 'fw' else 'backward'} of region {at.region}: " \
+                f"{describe_live(live_at(sh, cfg, at))})" if at else ""
         raise InfeasibleBudget(
             f"gpu_memory={budget} bytes ({format_bytes(budget)}) is too small: the leanest "
             f"schedule of this step ({cfg.describe()}) still peaks at {p} bytes ({format_bytes(p)})"

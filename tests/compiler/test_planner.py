@@ -272,11 +272,25 @@ def test_infeasible_budget_names_the_minimum():
     with pytest.raises(MegatrainValueError, match=f"gpu_memory >= {need} bytes") as info:
         plan_step(p, need - 1, H200)
     assert isinstance(info.value, ValueError) and info.value.min_budget == need
+    # ... and says what fills the device there, so the user knows what to shrink.
+    assert "working set" in str(info.value) and "boundary activations" in str(info.value)
     # One region larger than the whole budget: nothing can fit, whatever else is small.
     big = Problem.chain([10, 5 * GB, 10])
     with pytest.raises(InfeasibleBudget) as info:
         plan_step(big, GB, H200)
     assert info.value.min_budget == min_budget(big) >= 5 * GB
+
+
+@budget_settings(100)
+@given(problems(), st.integers(1, 3), st.integers(0, 1))
+def test_live_bytes_at_the_peak_sum_to_the_peak(problem, slots, lag):
+    from megatrain.compiler.planner import _program, _Shape, live_at, program_peak
+
+    sh = _Shape(problem)
+    cfg = PlanConfig(slots, None, 0, lag, frozenset(sh.offloadable))
+    peak, at = program_peak(_program(sh, cfg, 1, memory_only=True), problem.base_bytes)
+    if at is not None:
+        assert sum(n for n, _ in live_at(sh, cfg, at).values()) == peak
 
 
 def test_symbolic_sizes_peak_expression_and_longest_fitting_sequence():

@@ -207,13 +207,13 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     def transfers(fw, bw):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
-                              opts.prefetch)
+                              opts.prefetch, opts.offload)
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
-                             opts.compute_dtype)
+                             opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
         if bw is not None:
             b = insert_transfers(bw, "backward", sid, sched.backward, sched.backward_fetches, opts.device,
-                                 opts.compute_dtype)
+                                 opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
     def on_partition(fw, bw, saved):

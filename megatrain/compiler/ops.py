@@ -14,6 +14,12 @@ After partitioning (inserted by `passes.insert_transfers`; `token` orders them):
     evict(token!, flat, streamer, region)                 region's weights leave the pool
     grad_to_host(grad, streamer, param_id) -> host grad   device-to-host copy on its stream
     drain(token!, host_grads, streamer)                   host grads complete (end of bw)
+    offload(token!, t, streamer, key)                     start t's copy to host (forward)
+    offload_wait(token!, t!, streamer, key)               wait for it; t's storage emptied
+    reload(token!, t!, streamer, key)                     refill t's storage, start the copy
+    reload_wait(token!, t!, streamer, key)                compute stream waits (backward)
+  (runtime/activation_offload.py; `t!`: declared mutated, so every reader of t stays on
+  its side of the op)
 """
 
 from __future__ import annotations
@@ -146,6 +152,46 @@ def _(token, host_grads, streamer):
     return None
 
 
+@torch.library.custom_op("megatrain::offload", mutates_args=("token",))
+def offload(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
+    _s(streamer).activations.offload(key, t)
+
+
+@offload.register_fake
+def _(token, t, streamer, key):
+    return None
+
+
+@torch.library.custom_op("megatrain::offload_wait", mutates_args=("token", "t"))
+def offload_wait(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
+    _s(streamer).activations.offload_wait(key, t)
+
+
+@offload_wait.register_fake
+def _(token, t, streamer, key):
+    return None
+
+
+@torch.library.custom_op("megatrain::reload", mutates_args=("token", "t"))
+def reload(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
+    _s(streamer).activations.reload(key, t)
+
+
+@reload.register_fake
+def _(token, t, streamer, key):
+    return None
+
+
+@torch.library.custom_op("megatrain::reload_wait", mutates_args=("token", "t"))
+def reload_wait(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
+    _s(streamer).activations.reload_wait(key)
+
+
+@reload_wait.register_fake
+def _(token, t, streamer, key):
+    return None
+
+
 FETCH = torch.ops.megatrain.fetch.default
 GRAD_TO_HOST = torch.ops.megatrain.grad_to_host.default
 GRAD_TO_OPTIMIZER = torch.ops.megatrain.grad_to_optimizer.default
@@ -154,4 +200,9 @@ WAIT = torch.ops.megatrain.wait.default
 EVICT = torch.ops.megatrain.evict.default
 PREFETCH_NEXT = torch.ops.megatrain.prefetch_next.default
 DRAIN = torch.ops.megatrain.drain.default
-TRANSFER_OPS = (PREFETCH, WAIT, EVICT, PREFETCH_NEXT, GRAD_TO_HOST, DRAIN)
+OFFLOAD = torch.ops.megatrain.offload.default
+OFFLOAD_WAIT = torch.ops.megatrain.offload_wait.default
+RELOAD = torch.ops.megatrain.reload.default
+RELOAD_WAIT = torch.ops.megatrain.reload_wait.default
+ACTIVATION_OPS = {"offload": OFFLOAD, "offload_wait": OFFLOAD_WAIT, "reload": RELOAD, "reload_wait": RELOAD_WAIT}
+TRANSFER_OPS = (PREFETCH, WAIT, EVICT, PREFETCH_NEXT, GRAD_TO_HOST, DRAIN, *ACTIVATION_OPS.values())

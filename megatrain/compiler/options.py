@@ -71,6 +71,10 @@ class Options:
         is updated first and the next forward overlaps the remaining updates
         (megatrain.runtime.grad_backlog). Same results, bitwise. Default False until
         measured on the GPU.
+    offload: let the planner park boundary activations in host memory between the passes
+        (copied out in the forward, back ahead of their first backward reader) where that
+        is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
+        planner keeps them on the device whenever that fits as fast. False: never.
     """
 
     device: torch.device
@@ -81,6 +85,7 @@ class Options:
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
     backlog: bool = False
+    offload: bool = True
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -149,9 +154,14 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"backlog={backlog!r}: give True (keep gradients on the device while the host "
             f"optimizer catches up, updated earliest deadline first) or False")
+    offload = options.get("offload", True)
+    if not isinstance(offload, bool):
+        raise MegatrainValueError(
+            f"offload={offload!r}: give True (boundary activations may wait in host memory "
+            f"between the passes when the plan needs it) or False")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
-                   backlog=backlog)
+                   backlog=backlog, offload=offload)
 
 
 def _parse_kernels(value) -> tuple[str, ...] | None:

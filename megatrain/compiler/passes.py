@@ -42,16 +42,21 @@ class ScheduledGraph:
 
 def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: list[Transfer],
                      groups: dict[str, int] | None, device: torch.device,
-                     dtype: torch.dtype) -> ScheduledGraph:
-    """Insert `transfers` (anchored to positions in `gm`'s current node list) into `gm`."""
+                     dtype: torch.dtype, offloaded: dict[int, list[tuple[str, int]]] | None = None
+                     ) -> ScheduledGraph:
+    """Insert `transfers` (anchored to positions in `gm`'s current node list) into `gm`.
+    `offloaded`: per planner region whose boundary outputs the plan parks in host memory,
+    (saved tensor's node name, key) pairs: the forward node that makes it, the backward
+    placeholder that receives it."""
     graph = gm.graph
     nodes = list(graph.nodes)
     fetches: dict[int, list[fx.Node]] = {}
     for n in nodes:
         if n.op == "call_function" and n.target is ops.FETCH:
             fetches.setdefault(groups[n.name] if groups is not None else n.args[2], []).append(n)
+    by_name = {n.name: n for n in nodes}
     sched = ScheduledGraph(kind)
-    if not fetches and kind == "forward":
+    if not fetches and kind == "forward" and not any(t.kind in ops.ACTIVATION_OPS for t in transfers):
         return sched
     layouts = {r: FlatLayout.of([f.meta["val"].shape for f in fs]) for r, fs in fetches.items()}
 
@@ -86,7 +91,14 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
         return w
 
     for t in transfers:
-        region, fs = t.region, fetches[t.region]
+        region = t.region
+        if t.kind in ops.ACTIVATION_OPS:
+            op = ops.ACTIVATION_OPS[t.kind]
+            for name, key in (offloaded or {})[region]:  # one op per saved tensor, in order
+                place(t, lambda: graph.call_function(op, (token, by_name[name], streamer, key)))
+            sched.events.append(f"{t.kind}({region})")
+            continue
+        fs = fetches[region]
         if t.kind == "prefetch":
             host = [f.args[0] for f in fs]
             place(t, lambda: graph.call_function(ops.PREFETCH, (token, host, streamer, region)))

@@ -963,6 +963,7 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
 # --------------------------------------------------------------------------------------
 
 WEIGHT_KINDS = ("prefetch", "wait", "evict")
+ACTIVATION_KINDS = ("offload", "offload_wait", "reload", "reload_wait")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ class StepProblem:
     # Per graph, the planner region whose flat buffer each fetch (by node name) is part of.
     forward_fetches: dict[str, int]
     backward_fetches: dict[str, int]
+    # Per planner region, the names of the saved tensors its boundary output is made of
+    # (forward nodes; the backward's placeholders have the same names).
+    saved: dict[int, list[str]]
 
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
@@ -112,7 +115,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     uses = [g.uses() for g in graphs] + [[]]
     groups = [{f.name: u for u, fs in g.fetch_groups().items() for f in fs} for g in graphs] + [{}]
     return StepProblem(problem, sizes.dims(problem), {u: tuple(m) for u, m in members.items()},
-                       uses[0], uses[1], groups[0], groups[1])
+                       uses[0], uses[1], groups[0], groups[1],
+                       {u: [n.name for n in saved if f.owner.get(n) == u] for u in fw_order})
 
 
 def _int(v):

@@ -12,6 +12,7 @@ the minimum budget; a budget that fits only a shallower depth than asked warns a
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import torch.fx as fx
 
 from ..errors import format_bytes
 from .costs import Rates
-from .planner import Plan, PlannerOptions, Transfer, graph_events, plan_step
+from .planner import ACTIVATION_KINDS, WEIGHT_KINDS, Plan, PlannerOptions, Transfer, graph_events, plan_step
 from .problem import build_problem
 from .rates import compile_rates
 from .validate import validate
@@ -35,6 +36,8 @@ class StepSchedule:
     backward: list[Transfer]
     forward_fetches: dict[str, int]  # fetch node name -> the planner region it streams with
     backward_fetches: dict[str, int]
+    # Regions whose boundary outputs wait in host memory: (saved tensor's name, key) each.
+    offloaded: dict[int, list[tuple[str, int]]]
 
     @property
     def slots(self) -> int:
@@ -42,18 +45,23 @@ class StepSchedule:
 
 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
-                  device: torch.device, dtype: torch.dtype, budget: int, prefetch: int) -> StepSchedule:
-    """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes."""
+                  device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
+                  offload: bool = True) -> StepSchedule:
+    """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
+    `offload`: boundary activations may wait in host memory between the passes."""
     sp = build_problem(fw, bw, params, device, dtype)
     rates = compile_rates(device)
-    # The runtime has no activation offload yet: every boundary output stays on the device.
     plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
-                     options=PlannerOptions(max_slots=prefetch + 1, offload=False))
+                     options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None))
     validate(plan.schedule, budget)
     events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
     wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))
     if plan.config.slots < wanted and not any(c.slots >= wanted for c in plan.candidates):
         warnings.warn(f"megatrain: prefetch={prefetch} does not fit gpu_memory={format_bytes(budget)}; "
                       f"using prefetch={plan.config.slots - 1}", stacklevel=3)
-    return StepSchedule(plan, rates, sp.units, events.forward, events.backward, sp.forward_fetches,
-                        sp.backward_fetches)
+    keys = itertools.count()
+    offloaded = {u: [(name, next(keys)) for name in sp.saved[u]] for u in sorted(plan.config.offloaded)}
+    kinds = (*WEIGHT_KINDS, *ACTIVATION_KINDS)
+    return StepSchedule(plan, rates, sp.units, [t for t in events.forward_all if t.kind in kinds],
+                        [t for t in events.backward_all if t.kind in kinds], sp.forward_fetches,
+                        sp.backward_fetches, offloaded)

@@ -37,6 +37,7 @@ import torch
 from . import graph_order
 from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
+from .activation_offload import ActivationStore
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
@@ -212,6 +213,9 @@ class Streamer:
             self._staging: list[torch.Tensor | None] = [None] * max(staging_slots, 1)
             self._staging_free: list[torch.cuda.Event | None] = [None] * max(staging_slots, 1)
             self._staging_next = 0
+        # Boundary activations the plan parks in host memory between the passes.
+        self.activations = ActivationStore(device, getattr(self, "h2d_stream", None),
+                                           getattr(self, "d2h_stream", None))
 
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:

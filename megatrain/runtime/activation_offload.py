@@ -1,0 +1,128 @@
+"""Boundary activations parked in host memory between the forward and the backward.
+
+The planner may offload a region's saved outputs (what its backward, or a later region's,
+reads) so that long sequences fit: the forward starts a device-to-host copy right after
+the region computes and, later, drops the device bytes; the backward brings them back
+ahead of their first reader. The tensor keeps its identity, shape and device throughout:
+only its storage is emptied (`resize_(0)`) and refilled, so AOTAutograd and Inductor see
+the graphs they traced (no CPU tensor where a CUDA one was), and nothing between the two
+passes reads the bytes.
+
+Copies run on the streamer's side streams, ordered by events (no `record_stream`):
+    offload      compute event -> D2H into this tensor's host buffer     (d2h stream)
+    offload_wait compute stream waits for that copy; the storage is emptied
+    reload       storage refilled (allocated on the compute stream), H2D  (h2d stream)
+    reload_wait  compute stream waits for that copy
+The host buffers (page-locked on CUDA) are kept per tensor and reused every step. On the
+CPU device the copies are plain copies, so the same path runs in CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .host_store import page_locked_tensor
+
+
+@dataclass
+class _Parked:
+    host: torch.Tensor  # bytes of the tensor while its storage is empty
+    nbytes: int = 0  # of the storage, to refill it
+    done: object = None  # CUDA event of the copy in flight (either direction)
+    tensor: torch.Tensor | None = None  # kept alive until the offload copy has read it
+    emptied: bool = False
+
+
+class ActivationStore:
+    """The offloaded activations of one compiled graph pair, by key (an index the pass
+    assigns to each offloaded saved tensor)."""
+
+    def __init__(self, device: torch.device, h2d_stream=None, d2h_stream=None):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.h2d_stream, self.d2h_stream = h2d_stream, d2h_stream
+        self._parked: dict[int, _Parked] = {}
+        # Bytes whose device storage was emptied and later refilled, since construction.
+        self.emptied_bytes = 0
+        self.reloaded_bytes = 0
+        self._warned = False
+
+    def _buffer(self, key: int, nbytes: int) -> _Parked:
+        p = self._parked.get(key)
+        if p is None or p.host.numel() < nbytes:
+            host = page_locked_tensor(nbytes, torch.uint8) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
+            p = self._parked[key] = _Parked(host)
+        return p
+
+    def offload(self, key: int, t: torch.Tensor) -> None:
+        nbytes = t.untyped_storage().nbytes()
+        p = self._buffer(key, nbytes)
+        p.nbytes, p.tensor, p.emptied = nbytes, t, False
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        dst = p.host[:nbytes]
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        p.done = torch.cuda.Event()
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            p.done.record(self.d2h_stream)
+
+    def offload_wait(self, key: int, t: torch.Tensor) -> None:
+        p = self._parked[key]
+        if p.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(p.done)
+            p.done = None
+        p.tensor = None
+        if _sole_owner(t):
+            t.untyped_storage().resize_(0)  # freed in the compute stream's order
+            p.emptied = True
+            self.emptied_bytes += p.nbytes
+        elif not self._warned:
+            self._warned = True
+            warnings.warn("megatrain: an offloaded activation shares its storage with other "
+                          "tensors, so its device bytes stay (the plan assumed them freed)",
+                          stacklevel=2)
+
+    def reload(self, key: int, t: torch.Tensor) -> None:
+        p = self._parked[key]
+        if not p.emptied:
+            return  # never emptied (shared storage): the bytes are still there
+        storage = t.untyped_storage()
+        storage.resize_(p.nbytes)
+        dst = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        src = p.host[:p.nbytes]
+        p.emptied = False
+        self.reloaded_bytes += p.nbytes
+        if not self.cuda:
+            dst.copy_(src)
+            return
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(self.device))
+        p.done = torch.cuda.Event()
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)  # the bytes may be a block just freed there
+            dst.copy_(src, non_blocking=True)
+            p.done.record(self.h2d_stream)
+        # The storage was allocated on the compute stream, which waits for the copy
+        # (reload_wait) before anything reads it: no record_stream needed.
+
+    def reload_wait(self, key: int) -> None:
+        p = self._parked[key]
+        if p.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(p.done)
+            p.done = None
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether emptying `t`'s storage frees nothing another tensor still needs: `t` covers
+    the whole storage (the graph's other outputs are never views of a saved activation's
+    buffer, but check rather than assume)."""
+    return t.storage_offset() == 0 and t.is_contiguous() and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()

@@ -184,7 +184,7 @@ def _(token, t, streamer, key):
 
 @torch.library.custom_op("megatrain::reload_wait", mutates_args=("token", "t"))
 def reload_wait(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
-    _s(streamer).activations.reload_wait(key)
+    _s(streamer).activations.reload_wait(key, t)
 
 
 @reload_wait.register_fake

@@ -13,13 +13,15 @@ Copies run on the streamer's side streams, ordered by events (no `record_stream`
     offload_wait compute stream waits for that copy; the storage is emptied
     reload       storage refilled (allocated on the compute stream), H2D  (h2d stream)
     reload_wait  compute stream waits for that copy
-The host buffers (page-locked on CUDA) are kept per tensor and reused every step. On the
-CPU device the copies are plain copies, so the same path runs in CI.
+The host buffers (page-locked on CUDA) are kept per key and reused every step. On the CPU
+device the copies are plain copies, so the same path runs in CI.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ from .host_store import page_locked_tensor
 
 @dataclass
 class _Parked:
+    key: int
     host: torch.Tensor  # bytes of the tensor while its storage is empty
     nbytes: int = 0  # of the storage, to refill it
     done: object = None  # CUDA event of the copy in flight (either direction)
@@ -37,31 +40,52 @@ class _Parked:
 
 
 class ActivationStore:
-    """The offloaded activations of one compiled graph pair, by key (an index the pass
-    assigns to each offloaded saved tensor)."""
+    """The offloaded activations of one compiled graph pair. `key` (an index the pass
+    assigns to each offloaded saved tensor) picks a host buffer; the parked bytes belong to
+    the tensor's storage, so two forwards before one backward (gradient accumulation
+    through one graph) each keep their own bytes. A forward whose backward never runs
+    gives its buffers back when its saved tensors are collected."""
 
     def __init__(self, device: torch.device, h2d_stream=None, d2h_stream=None):
         self.device = device
         self.cuda = device.type == "cuda"
         self.h2d_stream, self.d2h_stream = h2d_stream, d2h_stream
-        self._parked: dict[int, _Parked] = {}
+        self._parked: dict[int, _Parked] = {}  # storage identity -> its parked bytes
+        self._free: dict[int, list[torch.Tensor]] = {}  # key -> host buffers not in use
+        self._lock = threading.Lock()  # finalizers may run on any thread
         # Bytes whose device storage was emptied and later refilled, since construction.
         self.emptied_bytes = 0
         self.reloaded_bytes = 0
         self._warned = False
 
-    def _buffer(self, key: int, nbytes: int) -> _Parked:
-        p = self._parked.get(key)
-        if p is None or p.host.numel() < nbytes:
-            host = page_locked_tensor(nbytes, torch.uint8) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
-            p = self._parked[key] = _Parked(host)
-        return p
+    def _host(self, key: int, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            for i, buf in enumerate(free):
+                if buf.numel() >= nbytes:
+                    return free.pop(i)
+        return page_locked_tensor(nbytes, torch.uint8) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
+
+    def _give_back(self, p: _Parked) -> None:
+        with self._lock:
+            self._free.setdefault(p.key, []).append(p.host)
+
+    def _collected(self, sid: int) -> None:
+        """The tensor died parked (no backward ran): its host buffer is free again."""
+        with self._lock:
+            p = self._parked.pop(sid, None)
+        if p is not None:
+            self._give_back(p)
 
     def offload(self, key: int, t: torch.Tensor) -> None:
-        nbytes = t.untyped_storage().nbytes()
-        p = self._buffer(key, nbytes)
-        p.nbytes, p.tensor, p.emptied = nbytes, t, False
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        p = _Parked(key, self._host(key, nbytes), nbytes, tensor=t)
+        sid = _identity(t)
+        with self._lock:
+            self._parked[sid] = p
+        weakref.finalize(t, self._collected, sid)
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         dst = p.host[:nbytes]
         if not self.cuda:
             dst.copy_(src)
@@ -75,7 +99,7 @@ class ActivationStore:
             p.done.record(self.d2h_stream)
 
     def offload_wait(self, key: int, t: torch.Tensor) -> None:
-        p = self._parked[key]
+        p = self._parked[_identity(t)]
         if p.done is not None:
             torch.cuda.current_stream(self.device).wait_event(p.done)
             p.done = None
@@ -91,7 +115,7 @@ class ActivationStore:
                           stacklevel=2)
 
     def reload(self, key: int, t: torch.Tensor) -> None:
-        p = self._parked[key]
+        p = self._parked[_identity(t)]
         if not p.emptied:
             return  # never emptied (shared storage): the bytes are still there
         storage = t.untyped_storage()
@@ -113,11 +137,19 @@ class ActivationStore:
         # The storage was allocated on the compute stream, which waits for the copy
         # (reload_wait) before anything reads it: no record_stream needed.
 
-    def reload_wait(self, key: int) -> None:
-        p = self._parked[key]
+    def reload_wait(self, key: int, t: torch.Tensor) -> None:
+        with self._lock:
+            p = self._parked.pop(_identity(t))
         if p.done is not None:
             torch.cuda.current_stream(self.device).wait_event(p.done)
-            p.done = None
+        # Reused only by a later offload, whose copy is ordered after this wait.
+        self._give_back(p)
+
+
+def _identity(t: torch.Tensor) -> int:
+    """The storage's identity (its StorageImpl), the same for every tensor object that
+    autograd hands back for it, and stable while its bytes are emptied."""
+    return t.untyped_storage()._cdata
 
 
 def _sole_owner(t: torch.Tensor) -> bool:

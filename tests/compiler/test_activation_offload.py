@@ -5,6 +5,8 @@ really emptied in the forward and refilled in the backward."""
 import pytest
 import torch
 
+import megatrain
+
 from megatrain.compiler.planner import InfeasibleBudget
 from megatrain.models import Llama, LlamaConfig
 
@@ -48,3 +50,33 @@ def test_offloaded_activations_train_like_eager(lowering):
     assert {f"reload({r})" for r in offloaded} <= set(graph.backward_events)
     store = graph.streamer.activations
     assert store.emptied_bytes > 0 and store.reloaded_bytes == store.emptied_bytes
+
+
+def test_two_forwards_before_one_backward_keep_their_own_activations():
+    """Gradient accumulation through one graph: the first forward's parked bytes must not be
+    overwritten by the second's."""
+    torch.manual_seed(0)
+    ref, streamed = model(), model()
+    streamed.load_state_dict(ref.state_dict())
+    step = torch.compile(streamed, backend="megatrain", options=options("eager"))
+    (a, la), (b, lb) = random_batches(64, 2, batch=8, seq=64)
+    (ref(a, labels=la) + 2 * ref(b, labels=lb)).backward()
+    (step(a, labels=la) + 2 * step(b, labels=lb)).backward()
+    got = torch.cat([p.grad.flatten() for p in streamed.parameters()])
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert rel(got, want) < 1e-5
+    graph = megatrain.explain(step).graphs[0]
+    assert graph.schedule.plan.config.offloaded and graph.streamer.activations.reloaded_bytes > 0
+
+
+def test_a_forward_without_backward_gives_its_host_buffers_back():
+    torch.manual_seed(0)
+    streamed = model()
+    step = torch.compile(streamed, backend="megatrain", options=options("eager"))
+    (ids, labels), = random_batches(64, 1, batch=8, seq=64)
+    for _ in range(3):
+        step(ids, labels=labels)  # grad enabled, backward never run: the graph is dropped
+    store = megatrain.explain(step).graphs[0].streamer.activations
+    assert store.emptied_bytes > 0
+    assert not store._parked, "parked bytes of collected tensors must be released"
+    assert all(len(bufs) == 1 for bufs in store._free.values()), "one host buffer per key, reused"

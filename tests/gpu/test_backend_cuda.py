@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+import megatrain
+from megatrain.compiler.planner import InfeasibleBudget, PlannerOptions, plan_step
 from megatrain.models import Llama, LlamaConfig
 
 from ..compiler.helpers import param_bytes, rel, random_batches, train_side_by_side
@@ -212,3 +214,57 @@ def test_prefetch_hides_the_graph_break_on_cuda(tmp_path):
     record_result("graph_break_stall", {"boundary_stall_ms": stall, "median_copy_ms": typical_copy,
                                    "stall_by_region_s": second.stall_by_region()})
     assert stall < 0.25 * typical_copy, (stall, typical_copy)
+
+
+def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_them():
+    """Long sequences, a budget only the plan with boundary activations in host memory fits:
+    the measured peak stays within it, and training matches a roomy run that keeps every
+    activation on the device (to float rounding: the graphs differ by the offload ops, so
+    Inductor may fuse differently; on the CPU the gap was 1 ulp)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=2048, hidden=512, layers=8, heads=8, kv_heads=8, ffn=1376,
+                      rope_theta=10000.0)
+    data = random_batches(2048, 3, batch=4, seq=1024)
+
+    def run(options):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        model = Llama(cfg)
+        step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "fp32", **options})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, peak = [], 0
+        for ids, labels in data:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = step(ids, labels=labels)
+            loss.backward()
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() - base)
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        graph = megatrain.explain(step).graphs[0]
+        return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), peak, graph
+
+    kept_losses, kept_params, kept_peak, kept = run({"offload": False})
+    assert not kept.schedule.plan.config.offloaded
+    # Between the least budgets of the leanest plans with and without offloading.
+    need = {}
+    for offload in (False, True):
+        with pytest.raises(InfeasibleBudget) as info:
+            plan_step(kept.schedule.plan.schedule.problem, 1, kept.schedule.rates,
+                      options=PlannerOptions(max_slots=2, offload=offload))
+        need[offload] = info.value.min_budget
+    assert need[True] < need[False], need
+    budget = (need[True] + need[False]) // 2
+    losses, params, peak, graph = run({"gpu_memory": budget})
+    offloaded = graph.schedule.plan.config.offloaded
+    record_result("activation_offload", {"budget": budget, "peak": peak, "kept_peak": kept_peak,
+                                         "offloaded": sorted(offloaded),
+                                         "emptied_bytes": graph.streamer.activations.emptied_bytes})
+    assert offloaded, "a budget below the keep-everything plan must offload"
+    assert peak <= budget, (peak, budget)
+    for a, b in zip(losses, kept_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, kept_losses)
+    assert rel(params, kept_params) < 1e-5

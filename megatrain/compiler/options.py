@@ -74,7 +74,8 @@ class Options:
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
-        planner keeps them on the device whenever that fits as fast. False: never.
+        planner keeps them on the device whenever that fits as fast. Default False until
+        measured on the GPU (built and tested on the CPU; runtime/activation_offload.py).
     """
 
     device: torch.device
@@ -85,7 +86,7 @@ class Options:
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
     backlog: bool = False
-    offload: bool = True
+    offload: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -154,7 +155,7 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"backlog={backlog!r}: give True (keep gradients on the device while the host "
             f"optimizer catches up, updated earliest deadline first) or False")
-    offload = options.get("offload", True)
+    offload = options.get("offload", False)
     if not isinstance(offload, bool):
         raise MegatrainValueError(
             f"offload={offload!r}: give True (boundary activations may wait in host memory "

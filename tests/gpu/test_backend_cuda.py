@@ -258,7 +258,7 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
         need[offload] = info.value.min_budget
     assert need[True] < need[False], need
     budget = (need[True] + need[False]) // 2
-    losses, params, peak, graph = run({"gpu_memory": budget})
+    losses, params, peak, graph = run({"gpu_memory": budget, "offload": True})
     offloaded = graph.schedule.plan.config.offloaded
     record_result("activation_offload", {"budget": budget, "peak": peak, "kept_peak": kept_peak,
                                          "offloaded": sorted(offloaded),

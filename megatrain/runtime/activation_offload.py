@@ -85,24 +85,11 @@ class ActivationStore:
         with self._lock:
             self._parked[sid] = p
         weakref.finalize(t, self._collected, sid)
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        dst = p.host[:nbytes]
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        p.done = torch.cuda.Event()
-        with torch.cuda.stream(self.d2h_stream):
-            self.d2h_stream.wait_event(ready)
-            dst.copy_(src, non_blocking=True)
-            p.done.record(self.d2h_stream)
+        p.done = self._copy(self.d2h_stream, p.host[:nbytes], _bytes(storage, t.device))
 
     def offload_wait(self, key: int, t: torch.Tensor) -> None:
         p = self._parked[_identity(t)]
-        if p.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(p.done)
-            p.done = None
+        self._wait(p)
         p.tensor = None
         if _sole_owner(t):
             t.untyped_storage().resize_(0)  # freed in the compute stream's order
@@ -119,31 +106,46 @@ class ActivationStore:
         if not p.emptied:
             return  # never emptied (shared storage): the bytes are still there
         storage = t.untyped_storage()
+        # Allocated on the compute stream, which waits for the copy (reload_wait) before
+        # anything reads it: no record_stream needed.
         storage.resize_(p.nbytes)
-        dst = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        src = p.host[:p.nbytes]
         p.emptied = False
         self.reloaded_bytes += p.nbytes
-        if not self.cuda:
-            dst.copy_(src)
-            return
-        allocated = torch.cuda.Event()
-        allocated.record(torch.cuda.current_stream(self.device))
-        p.done = torch.cuda.Event()
-        with torch.cuda.stream(self.h2d_stream):
-            self.h2d_stream.wait_event(allocated)  # the bytes may be a block just freed there
-            dst.copy_(src, non_blocking=True)
-            p.done.record(self.h2d_stream)
-        # The storage was allocated on the compute stream, which waits for the copy
-        # (reload_wait) before anything reads it: no record_stream needed.
+        p.done = self._copy(self.h2d_stream, _bytes(storage, t.device), p.host[:p.nbytes])
 
     def reload_wait(self, key: int, t: torch.Tensor) -> None:
         with self._lock:
             p = self._parked.pop(_identity(t))
-        if p.done is not None:
-            torch.cuda.current_stream(self.device).wait_event(p.done)
+        self._wait(p)
         # Reused only by a later offload, whose copy is ordered after this wait.
         self._give_back(p)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor):
+        """`dst.copy_(src)` on `stream` after the compute stream's work so far (the source
+        was just written there, or the destination's block just freed there); its done
+        event (None on the CPU, where the copy is done on return)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            dst.copy_(src, non_blocking=True)
+            done.record(stream)
+        return done
+
+    def _wait(self, p: _Parked) -> None:
+        """The compute stream waits for `p`'s copy in flight, if any."""
+        if p.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(p.done)
+            p.done = None
+
+
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """All of `storage`'s bytes as a uint8 tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
 
 
 def _identity(t: torch.Tensor) -> int:

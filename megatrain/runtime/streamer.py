@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from . import graph_order
+from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
-from .activation_offload import ActivationStore
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans

@@ -152,44 +152,22 @@ def _(token, host_grads, streamer):
     return None
 
 
-@torch.library.custom_op("megatrain::offload", mutates_args=("token",))
-def offload(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
-    _s(streamer).activations.offload(key, t)
+def _activation_op(name: str, mutates: tuple[str, ...]):
+    """megatrain::<name>(token, t, streamer, key): ActivationStore.<name>(key, t). The four
+    differ only in the method they call and in whether `t` is declared mutated."""
+
+    @torch.library.custom_op(f"megatrain::{name}", mutates_args=mutates)
+    def op(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
+        getattr(_s(streamer).activations, name)(key, t)
+
+    op.register_fake(lambda token, t, streamer, key: None)
+    return op
 
 
-@offload.register_fake
-def _(token, t, streamer, key):
-    return None
-
-
-@torch.library.custom_op("megatrain::offload_wait", mutates_args=("token", "t"))
-def offload_wait(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
-    _s(streamer).activations.offload_wait(key, t)
-
-
-@offload_wait.register_fake
-def _(token, t, streamer, key):
-    return None
-
-
-@torch.library.custom_op("megatrain::reload", mutates_args=("token", "t"))
-def reload(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
-    _s(streamer).activations.reload(key, t)
-
-
-@reload.register_fake
-def _(token, t, streamer, key):
-    return None
-
-
-@torch.library.custom_op("megatrain::reload_wait", mutates_args=("token", "t"))
-def reload_wait(token: Tensor, t: Tensor, streamer: int, key: int) -> None:
-    _s(streamer).activations.reload_wait(key, t)
-
-
-@reload_wait.register_fake
-def _(token, t, streamer, key):
-    return None
+offload = _activation_op("offload", ("token",))  # only reads t
+offload_wait = _activation_op("offload_wait", ("token", "t"))
+reload = _activation_op("reload", ("token", "t"))
+reload_wait = _activation_op("reload_wait", ("token", "t"))
 
 
 FETCH = torch.ops.megatrain.fetch.default

@@ -989,8 +989,8 @@ class Transfer:
 class GraphEvents:
     """Events of one forward and one backward graph, in program order.
 
-    `forward` and `backward` hold the weight events (prefetch / wait / evict) that
-    `passes.insert_transfers` materialises as FX nodes. `*_all` add:
+    `forward` and `backward` hold the weight events (prefetch / wait / evict). `*_all` add
+    (`passes.insert_transfers` materialises the weight and activation events, not grad_wait):
     offload (start D2H of region i's boundary output), offload_wait (wait for it, drop the
     device copy), reload (start its H2D in backward), reload_wait (before its first
     backward use), grad_wait (wait for region o's gradients' D2H, free them on the device).

@@ -71,7 +71,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     inputs = f.edges()
     saved_names = {n.name for n in graphs[1].nodes if n.op == "placeholder"} if bw is not None else set()
     saved = [n for n in f.outputs() if n.name in saved_names]
-    out_bytes = {u: sizes.total(n for n in saved if f.owner.get(n) == u) for u in fw_order}
+    saved_by_unit = {u: [n for n in saved if f.owner.get(n) == u] for u in fw_order}
+    out_bytes = {u: sizes.total(ns) for u, ns in saved_by_unit.items()}
     base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
                        + [n for n in saved if n not in f.owner])
     work_fw = f.working_sets(sizes, exclude=set(saved), until={})
@@ -116,7 +117,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     groups = [{f.name: u for u, fs in g.fetch_groups().items() for f in fs} for g in graphs] + [{}]
     return StepProblem(problem, sizes.dims(problem), {u: tuple(m) for u, m in members.items()},
                        uses[0], uses[1], groups[0], groups[1],
-                       {u: [n.name for n in saved if f.owner.get(n) == u] for u in fw_order})
+                       {u: [n.name for n in ns] for u, ns in saved_by_unit.items()})
 
 
 def _int(v):

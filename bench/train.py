@@ -177,17 +177,21 @@ def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
     its anonymous part (RssAnon: without the file-backed pages of the libraries and code the
     process maps, which the kernel can drop and other processes share); at the end also
     after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
-    now = lambda: (_status("VmHWM"), _status("VmRSS"), _status("RssAnon"))  # noqa: E731
-    rss = dict(rss, end=now())
+    rss = dict(rss, end=_memory_now())
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-        rss["end_trimmed"] = now()
+        rss["end_trimmed"] = _memory_now()
     except (OSError, AttributeError):  # not glibc
         pass
     return {k: {"peak": round((hwm - base) / n_params, 3), "now": round((cur - base) / n_params, 3),
                 "anon": round((anon - anon_base) / n_params, 3)} for k, (hwm, cur, anon) in rss.items()}
+
+
+def _memory_now() -> tuple[int, int, int]:
+    """This process's peak RSS so far, RSS and anonymous RSS, in bytes."""
+    return _status("VmHWM"), _status("VmRSS"), _status("RssAnon")
 
 
 def _load_cuda_libraries(device) -> None:
@@ -261,12 +265,17 @@ def run_probe(args) -> dict:
             "threads": torch.get_num_threads()}
 
 
+def _streamers(plan) -> list:
+    """The runtime streamer of each graph in `megatrain.explain(...)`'s plan that has one."""
+    return [g.streamer for g in plan.graphs if g.streamer is not None]
+
+
 def _megatrain_stats(step_fn) -> dict:
     import megatrain
 
     plan = megatrain.explain(step_fn)
-    stats = [g.streamer.last_stats for g in plan.graphs
-             if g.streamer is not None and g.streamer.last_stats is not None]
+    streamers = _streamers(plan)
+    stats = [s.last_stats for s in streamers if s.last_stats is not None]
     schedules = [g.schedule.plan.schedule for g in plan.graphs if g.schedule is not None]
 
     def per_step(stream: str) -> float:  # the cost model's busy seconds of one stream
@@ -279,8 +288,7 @@ def _megatrain_stats(step_fn) -> dict:
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
-            "grad_slab_bytes": sum(g.streamer._slabs.allocated * g.streamer._slabs.slab_bytes
-                                   for g in plan.graphs if g.streamer is not None),
+            "grad_slab_bytes": sum(s._slabs.allocated * s._slabs.slab_bytes for s in streamers),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
@@ -312,12 +320,12 @@ def run_system(args) -> dict:
     _phase = "building the model"
     model = _model(args.model, args.layers)
     _phase = "setting up"
-    # Host memory at named points, (peak so far, now), to split the bytes per parameter
+    # Host memory at named points (_memory_now), to split the bytes per parameter
     # between the model, the probe and compiling, the slabs and the optimizer's state.
     rss = {}
 
     def mark(point: str) -> None:
-        rss[point] = (_status("VmHWM"), _status("VmRSS"), _status("RssAnon"))
+        rss[point] = _memory_now()
 
     mark("built")
     n_params = sum(p.numel() for p in model.parameters())
@@ -420,10 +428,9 @@ def run_system(args) -> dict:
     def set_grad_transfer(dtype: str) -> None:
         from megatrain.runtime.streamer import GRAD_TRANSFER_DTYPE
 
-        for graph in megatrain.explain(step_fn).graphs:
-            if graph.streamer is not None:
-                graph.streamer.grad_transfer_dtype = {
-                    "default": GRAD_TRANSFER_DTYPE, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        for streamer in _streamers(megatrain.explain(step_fn)):
+            streamer.grad_transfer_dtype = {
+                "default": GRAD_TRANSFER_DTYPE, "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
     if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
@@ -447,9 +454,8 @@ def run_system(args) -> dict:
     # same compiled model (the first step allocated the default's; extra slabs come lazily).
     slabs_sweep = []
     for n in (int(v) for v in args.grad_slabs.split(",")) if args.grad_slabs and args.system == "megatrain" else ():
-        for graph in megatrain.explain(step_fn).graphs:
-            if graph.streamer is not None:
-                graph.streamer._slabs.max_slabs = n
+        for streamer in _streamers(megatrain.explain(step_fn)):
+            streamer._slabs.max_slabs = n
         ts, _, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
         slabs_sweep.append({"grad_slabs": n, "step_s": statistics.median(ts[1:])})
     if args.profile:
@@ -474,8 +480,7 @@ def run_system(args) -> dict:
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
-        # where it goes: the model as built (fp32 weights), the peak through the first step
-        # (compiling, optimizer state, slabs), the peak at the end
+        # where it goes: peak, current and anonymous RSS at each marked point (_rss_phases)
         "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,

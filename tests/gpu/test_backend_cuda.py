@@ -75,16 +75,23 @@ def _peak_of_one_step(layers: int, budget_fraction: float | None = None):
     # to the weights in flight, so the peak shows whether weights grow with depth.
     ids = torch.randint(0, cfg.vocab_size, (1, 64))
     for _ in range(2):
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        loss = step(ids, labels=ids)
-        loss.backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        opt.step()
-        opt.zero_grad()
+        _, peak = _step_with_peak(step, opt, ids, ids)
     return peak, budget, param_bytes(model)
+
+
+def _step_with_peak(step, opt, ids, labels) -> tuple[float, int]:
+    """One training step: its loss, and the device bytes it allocated beyond what was
+    allocated before it (forward and backward; the optimizer runs after the measurement)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = step(ids, labels=labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), peak
 
 
 def test_32_layers_in_a_quarter_of_the_weights():
@@ -234,16 +241,9 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, peak = [], 0
         for ids, labels in data:
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            loss = step(ids, labels=labels)
-            loss.backward()
-            torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated() - base)
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+            loss, step_peak = _step_with_peak(step, opt, ids, labels)
+            losses.append(loss)
+            peak = max(peak, step_peak)
         graph = megatrain.explain(step).graphs[0]
         return losses, torch.cat([p.detach().flatten() for p in model.parameters()]), peak, graph
 

@@ -171,6 +171,10 @@ def _setup_context(ctx, inputs, output):
     _, grad_h, grad_w = output
     ctx.need = inputs[6], inputs[7]
     ctx.mark_non_differentiable(grad_h, grad_w)
+    # No zero-filled incoming gradients for the two non-differentiable outputs: autograd
+    # would otherwise allocate a grad_h- and a grad_w-sized tensor of zeros for the backward
+    # (the +1x grad_weight the GPU peak test measured, 2026-12-03, allocator trace).
+    ctx.set_materialize_grads(False)
     if _eager(grad_h, grad_w):
         # Held as attributes, not saved tensors, so that the backward can hand autograd the
         # only reference: AccumulateGrad then adopts the tensor as .grad. A saved tensor keeps

@@ -6,18 +6,20 @@ with TF32 off: fp32 on CUDA drifts from fp32 on the CPU by ~1e-4 after a few Ada
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 
 import megatrain
-from megatrain.compiler.planner import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.compiler.planner import (InfeasibleBudget, PlannerOptions, _program, _Shape, describe_live,
+                                        live_at, plan_step, program_peak)
 from megatrain.models import Llama, LlamaConfig
 
 from ..compiler.helpers import param_bytes, rel, random_batches, train_side_by_side
 from ..compiler.test_backend_cpu import MODELS
-from .results import record_result
+from .results import allocations, blocks_at_peak, record_result
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -79,15 +81,19 @@ def _peak_of_one_step(layers: int, budget_fraction: float | None = None):
     return peak, budget, param_bytes(model)
 
 
-def _step_with_peak(step, opt, ids, labels) -> tuple[float, int]:
+def _step_with_peak(step, opt, ids, labels, trace: list | None = None) -> tuple[float, int]:
     """One training step: its loss, and the device bytes it allocated beyond what was
-    allocated before it (forward and backward; the optimizer runs after the measurement)."""
+    allocated before it (forward and backward; the optimizer runs after the measurement).
+    `trace`: filled with the allocator's events of the forward and backward."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = step(ids, labels=labels)
-    loss.backward()
-    torch.cuda.synchronize()
+    with allocations() if trace is not None else contextlib.nullcontext([]) as events:
+        loss = step(ids, labels=labels)
+        loss.backward()
+        torch.cuda.synchronize()
+    if trace is not None:
+        trace.extend(events)
     peak = torch.cuda.max_memory_allocated() - base
     opt.step()
     opt.zero_grad()
@@ -233,6 +239,8 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
                       rope_theta=10000.0)
     data = random_batches(2048, 3, batch=4, seq=1024)
 
+    trace: list[dict] = []  # the allocator's events of the last step of the last run
+
     def run(options):
         torch._dynamo.reset()
         torch.manual_seed(1)
@@ -240,8 +248,9 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
         step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "fp32", **options})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, peak = [], 0
-        for ids, labels in data:
-            loss, step_peak = _step_with_peak(step, opt, ids, labels)
+        for i, (ids, labels) in enumerate(data):
+            trace.clear()
+            loss, step_peak = _step_with_peak(step, opt, ids, labels, trace if i == len(data) - 1 else None)
             losses.append(loss)
             peak = max(peak, step_peak)
         graph = megatrain.explain(step).graphs[0]
@@ -258,11 +267,19 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
         need[offload] = info.value.min_budget
     assert need[True] < need[False], need
     budget = (need[True] + need[False]) // 2
+    eager_peak = run({"gpu_memory": budget, "offload": True, "lowering": "eager"})[2]
     losses, params, peak, graph = run({"gpu_memory": budget, "offload": True})
-    offloaded = graph.schedule.plan.config.offloaded
-    record_result("activation_offload", {"budget": budget, "peak": peak, "kept_peak": kept_peak,
-                                         "offloaded": sorted(offloaded),
-                                         "emptied_bytes": graph.streamer.activations.emptied_bytes})
+    plan = graph.schedule.plan
+    offloaded = plan.config.offloaded
+    shape = _Shape(plan.schedule.problem)
+    predicted, at = program_peak(_program(shape, plan.config, 1, memory_only=True),
+                                 plan.schedule.problem.base_bytes)
+    record_result("activation_offload", {
+        "budget": budget, "peak": peak, "kept_peak": kept_peak, "eager_lowering_peak": eager_peak,
+        "predicted_peak": predicted, "predicted_at": str(at),
+        "predicted_live": describe_live(live_at(shape, plan.config, at)),
+        "live_at_peak": blocks_at_peak(trace)[:24], "offloaded": sorted(offloaded),
+        "emptied_bytes": graph.streamer.activations.emptied_bytes})
     assert offloaded, "a budget below the keep-everything plan must offload"
     assert peak <= budget, (peak, budget)
     for a, b in zip(losses, kept_losses):

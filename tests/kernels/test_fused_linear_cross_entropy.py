@@ -25,7 +25,7 @@ from megatrain.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_op,
     fused_linear_cross_entropy_reference,
 )
-from tests.gpu.results import record_result
+from tests.gpu.results import allocations, blocks_at_peak, record_result
 
 # (tokens, hidden, vocab, chunk_size, ignored tokens, reduction)
 CPU_CASES = [
@@ -257,42 +257,15 @@ def test_gpu_peak_memory():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(stacks="python")
-    try:
+    with allocations() as trace:
         loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
         gh, gw = grads(loss, (hidden, weight), None)
         torch.cuda.synchronize()
-        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
     extra = torch.cuda.max_memory_allocated() - base
     budget = (v * h + n * h + chunk * v) * 2
     at_peak = blocks_at_peak(trace)
     record_result("flce_peak", {"extra": extra, "budget": budget, "live_at_peak": at_peak})
     assert extra <= budget + 2**20, f"extra {extra / 2**20:.1f} MiB > {budget / 2**20:.1f} MiB: {at_peak}"
-
-
-def blocks_at_peak(trace: list[dict]) -> list[str]:
-    """Replay a CUDA allocator trace (torch.cuda.memory._snapshot): the blocks allocated
-    while recording that were live when their sum peaked, biggest first, each with the
-    innermost frame in megatrain or the tests that allocated it."""
-    live, total, peak, at_peak = {}, 0, -1, {}
-    for event in trace:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-            if total > peak:
-                peak, at_peak = total, dict(live)
-        elif event["action"] == "free_requested" and event["addr"] in live:
-            total -= live.pop(event["addr"])["size"]
-
-    def where(event):
-        frames = [f for f in event.get("frames", ()) if "megatrain" in f["filename"] or "tests" in f["filename"]]
-        f = frames[0] if frames else (event.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
-        return f"{f['name']} ({f['filename'].rsplit('/', 1)[-1]}:{f['line']})"
-
-    return [f"{e['size'] / 2**20:.1f} MiB at {where(e)}"
-            for e in sorted(at_peak.values(), key=lambda e: -e["size"])]
 
 
 @gpu_each_dtype

@@ -632,13 +632,16 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
     p.add_argument("--profile", default=None,
                    help="directory: profile one more step per system, write its op tables there")
-    p.add_argument("--out", default=str(REPO / "bench/results/train.jsonl"))
+    p.add_argument("--out", default=None,
+                   help="JSONL to append rows to (default bench/results/train.jsonl; --smoke: none)")
     p.add_argument("--system", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, eager vs megatrain")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.device, args.precision, args.tokens, args.seq = "tiny", "cpu", "fp32", 512, 64
         args.systems, args.steps, args.warmup = "eager,megatrain", 4, 1
+    if args.out is None and not args.smoke:  # a smoke run's rows are not results
+        args.out = str(REPO / "bench/results/train.jsonl")
     if args.system:
         # a run child gets one depth (appended last); the probe measures widths only
         args.layers = int(args.layers) if args.layers and args.system != "probe" else None
@@ -677,7 +680,8 @@ def main(argv=None) -> int:
                 row["probe"] = probe
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe")}), file=sys.stderr)
-            append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
+            if args.out:
+                append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
             progress(f"  error: {row['error']}" if "error" in row else
                      f"  {row['step_s']:.3f} s/step, {row['tokens_per_s']:.0f} tok/s, peak GPU "
                      + (f"{row['peak_gpu_gib']:.2f} GiB" if row.get("peak_gpu_gib") is not None else "-")

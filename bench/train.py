@@ -189,6 +189,27 @@ def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
                 "anon": round((anon - anon_base) / n_params, 3)} for k, (hwm, cur, anon) in rss.items()}
 
 
+def _largest_mappings(n: int = 6, anon: bool = False) -> list[str]:
+    """The process's `n` largest mappings by resident bytes that are not (anon=False) or are
+    (anon=True) plain anonymous memory, from /proc/self/smaps: what the RSS beyond RssAnon
+    is (library images, pinned memory the CUDA driver maps, shared memory)."""
+    rows, name, anonymous = [], None, False
+    try:
+        for line in open("/proc/self/smaps"):
+            head = line.split()
+            if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+                name = head[5] if len(head) > 5 else "[anon]"
+                anonymous = len(head) <= 5 or name in ("[heap]", "[stack]")
+            elif head and head[0] == "Rss:" and anonymous == anon:
+                rows.append((int(head[1]) * 1024, name))
+    except OSError:
+        return []
+    merged: dict[str, int] = {}
+    for nbytes, nm in rows:
+        merged[nm] = merged.get(nm, 0) + nbytes
+    return [f"{b / 2**20:.0f} MiB {nm}" for nm, b in sorted(merged.items(), key=lambda kv: -kv[1])[:n]]
+
+
 def _memory_now() -> tuple[int, int, int]:
     """This process's peak RSS so far, RSS and anonymous RSS, in bytes."""
     return _status("VmHWM"), _status("VmRSS"), _status("RssAnon")
@@ -217,7 +238,7 @@ def _load_compiler(device) -> None:
     for the model to reuse unseen."""
     import torch
 
-    import megatrain.compiler.backend  # noqa: F401  (networkx, sympy, the passes)
+    import megatrain.compiler.backend  # noqa: F401 (networkx, sympy, the passes)
 
     tiny = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(device)
     step = torch.compile(tiny, backend="inductor")
@@ -505,6 +526,8 @@ def run_system(args) -> dict:
         "host_rss_base_gib": rss_base / 2**30,
         # where it goes: peak, current and anonymous RSS at each marked point (_rss_phases)
         "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
+        "host_rss_file_shmem_gib": (_status("RssFile") / 2**30, _status("RssShmem") / 2**30),
+        "host_largest_mappings": _largest_mappings(),
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
@@ -727,6 +750,9 @@ def main(argv=None) -> int:
             print(f"{'':18s} host B/param (peak/now/anon): " + ", ".join(
                 f"{k} {v['peak']:.2f}/{v['now']:.2f}/{v.get('anon', float('nan')):.2f}"
                 for k, v in r["host_bytes_per_param_phases"].items()))
+        if r.get("host_largest_mappings"):
+            print(f"{'':18s} RssFile/RssShmem GiB {r['host_rss_file_shmem_gib']}, largest "
+                  f"non-anonymous mappings: {r['host_largest_mappings']}")
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

@@ -99,3 +99,17 @@ def breaking_llama(where: str, config):
 def random_batches(vocab: int, n: int, batch: int, seq: int, generator=None):
     return [(torch.randint(0, vocab, (batch, seq), generator=generator),
              torch.randint(0, vocab, (batch, seq), generator=generator)) for _ in range(n)]
+
+
+def cpu_peak_bytes(run) -> int:
+    """Peak bytes the CPU allocator held while `run()` ran, beyond what it held before:
+    the profiler's allocation events, replayed in time order."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

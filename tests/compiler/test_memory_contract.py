@@ -1,0 +1,65 @@
+"""gpu_memory is a contract: what a step really allocates stays within the plan's peak.
+
+On the CPU device the "device" memory is the CPU allocator's, which the profiler reports
+allocation by allocation, so a step's real peak, Inductor's own buffer handling included,
+can be compared with the planner's prediction in CI. (The H200 found the gap first: with
+Inductor's buffer reuse a freed buffer is held until a later one of its size takes it,
+across regions, and a step planned at 268 MB peaked at 298 MB; the same model here
+measured 291 MB with reuse and 254 MB without.)"""
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.compiler.planner import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.models import Llama, LlamaConfig
+
+from .helpers import cpu_peak_bytes, random_batches
+
+CONFIG = LlamaConfig(vocab_size=512, hidden=128, layers=4, heads=4, kv_heads=4, ffn=344,
+                     rope_theta=10000.0)
+
+
+def _compiled(options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    step = torch.compile(model, backend="megatrain",
+                         options={"device": "cpu", "precision": "fp32", **options})
+    return step, megatrain.AdamW(model.parameters(), lr=1e-3)
+
+
+def _train(step, opt, batches):
+    def one(ids, labels):
+        step(ids, labels=labels).backward()
+
+    peaks = []
+    for ids, labels in batches:
+        peaks.append(cpu_peak_bytes(lambda: one(ids, labels)))
+        opt.step()
+        opt.zero_grad()
+    return peaks
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_inductor_steps_stay_within_the_predicted_peak(offload):
+    """A budget that binds (between the leanest plans with and without offloading): every
+    step after the first (which also sets up the optimizer's state and the gradient slabs,
+    host memory on a GPU) allocates no more than the plan predicted."""
+    batches = random_batches(512, 3, batch=4, seq=512)
+    step, opt = _compiled({"offload": False})
+    _train(step, opt, batches[:1])
+    problem = megatrain.explain(step).graphs[0].schedule.plan.schedule.problem
+    rates = megatrain.explain(step).graphs[0].schedule.rates
+    need = {}
+    for allowed in (False, True):
+        with pytest.raises(InfeasibleBudget) as info:
+            plan_step(problem, 1, rates, options=PlannerOptions(offload=allowed))
+        need[allowed] = info.value.min_budget
+    budget = (need[False] + need[True]) // 2 if offload else need[False] + need[False] // 20
+
+    step, opt = _compiled({"gpu_memory": budget, "offload": offload})
+    peaks = _train(step, opt, batches)
+    plan = megatrain.explain(step).graphs[0].schedule.plan
+    assert bool(plan.config.offloaded) == offload, plan.config
+    assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)

@@ -415,8 +415,8 @@ def run_system(args) -> dict:
             options["gpu_memory"] = args.gpu_memory
         if args.backlog:
             options["backlog"] = True
-        if args.offload:
-            options["offload"] = True
+        if args.no_offload:
+            options["offload"] = False
         if args.kernels:
             options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -532,7 +532,7 @@ def run_system(args) -> dict:
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
         "backlog": args.backlog if args.system == "megatrain" else None,
-        "offload": args.offload if args.system == "megatrain" else None,
+        "offload": not args.no_offload if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if sweep:
@@ -646,9 +646,9 @@ def main(argv=None) -> int:
                    help="megatrain: where AdamW updates run (compile option `updates`)")
     p.add_argument("--backlog", action="store_true",
                    help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
-    p.add_argument("--offload", action="store_true",
-                   help="megatrain: compile option `offload` (boundary activations may wait in host "
-                        "memory between the passes)")
+    p.add_argument("--no-offload", action="store_true",
+                   help="megatrain: compile option offload=False (every boundary activation stays "
+                        "on the device; the default lets the planner park them in host memory)")
     p.add_argument("--kernels", default=None,
                    help="megatrain: compile option `kernels`, comma-separated patterns (e.g. rmsnorm) "
                         "or 'all'; default: the backend's")

@@ -74,8 +74,10 @@ class Options:
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
-        planner keeps them on the device whenever that fits as fast. Default False until
-        measured on the GPU (built and tested on the CPU; runtime/activation_offload.py).
+        planner keeps them on the device whenever that fits as fast. Default True: on the
+        H200 (3B, 32k tokens, gpu_memory=12GiB, which refuses without it) it ran at 0.92x
+        GPU-resident compiled training, peak 9.6 GiB (runtime/activation_offload.py).
+        False: every boundary activation stays on the device.
     """
 
     device: torch.device
@@ -86,7 +88,7 @@ class Options:
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
     backlog: bool = False
-    offload: bool = False
+    offload: bool = True
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -155,7 +157,7 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"backlog={backlog!r}: give True (keep gradients on the device while the host "
             f"optimizer catches up, updated earliest deadline first) or False")
-    offload = options.get("offload", False)
+    offload = options.get("offload", True)
     if not isinstance(offload, bool):
         raise MegatrainValueError(
             f"offload={offload!r}: give True (boundary activations may wait in host memory "

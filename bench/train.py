@@ -312,6 +312,7 @@ def _streamers(plan) -> list:
 
 def _megatrain_stats(step_fn) -> dict:
     import megatrain
+    from megatrain.runtime import host_store
 
     plan = megatrain.explain(step_fn)
     streamers = _streamers(plan)
@@ -329,6 +330,8 @@ def _megatrain_stats(step_fn) -> dict:
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
             "grad_slab_bytes": sum(s._slabs.allocated * s._slabs.slab_bytes for s in streamers),
+            "grad_own_buffers": sum(s._slabs.own_buffers for s in streamers),
+            "page_lock_failures": list(host_store.register_failures),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
@@ -527,6 +530,10 @@ def run_system(args) -> dict:
         # where it goes: peak, current and anonymous RSS at each marked point (_rss_phases)
         "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
         "host_rss_file_shmem_gib": (_status("RssFile") / 2**30, _status("RssShmem") / 2**30),
+        # torch's pinned allocator (cudaHostAlloc: shared anonymous pages, RssShmem)
+        "pinned_allocator": {k: v for k, v in torch.cuda.host_memory_stats().items()
+                             if k.startswith(("allocations.", "allocated_bytes.", "active_requests."))
+                             and k.endswith((".current", ".peak"))} if cuda and hasattr(torch.cuda, "host_memory_stats") else None,
         "host_largest_mappings": _largest_mappings(),
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
@@ -752,7 +759,9 @@ def main(argv=None) -> int:
                 for k, v in r["host_bytes_per_param_phases"].items()))
         if r.get("host_largest_mappings"):
             print(f"{'':18s} RssFile/RssShmem GiB {r['host_rss_file_shmem_gib']}, largest "
-                  f"non-anonymous mappings: {r['host_largest_mappings']}")
+                  f"non-anonymous mappings: {r['host_largest_mappings']}; torch pinned allocator "
+                  f"{r.get('pinned_allocator')}; gradients outside the slabs "
+                  f"{r.get('grad_own_buffers')}, page-lock failures {r.get('page_lock_failures')}")
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

@@ -56,6 +56,7 @@ class GradSlabs:
         self.max_slabs = max_slabs
         self.slab_bytes = 0
         self.allocated = 0
+        self.own_buffers = 0  # gradients that did not fit their region's slab (see carve)
         self._free: list[Slab] = []
         self._filling: dict[int, Slab] = {}
         self._waiters = 0  # callers blocked in _acquire
@@ -74,6 +75,7 @@ class GradSlabs:
                 self._filling[region] = slab
         view = slab.carve(shape, dtype)
         if view is None:  # more than the region reserved (should not happen): own buffer
+            self.own_buffers += 1
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin), None
         return view, slab
 

@@ -55,6 +55,9 @@ def home_parameters(params: list[torch.nn.Parameter], pin: bool) -> torch.Tensor
 
 
 _PAGE = 4096
+# (bytes, CUDA error code) of each page_locked() whose registration failed and fell back to
+# torch's pinned allocator (which rounds up to a power of two): bench/train.py reports it.
+register_failures: list[tuple[int, int]] = []
 
 
 def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tensor, "_PageLock | None"]:
@@ -69,7 +72,9 @@ def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tenso
     raw = torch.zeros(span + _PAGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % _PAGE
     pages = raw[start:start + span]
-    if int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), span, 0)) != 0:
+    rc = int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), span, 0))
+    if rc != 0:
+        register_failures.append((nbytes, rc))
         return torch.zeros(numel, dtype=dtype, pin_memory=True), None
     return pages[:nbytes].view(dtype), _PageLock(pages.data_ptr(), span, users)
 

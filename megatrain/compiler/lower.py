@@ -27,10 +27,29 @@ INDUCTOR_PATCHES = {
 
 def lower(gm: fx.GraphModule, example_inputs, lowering: str, is_backward: bool):
     if lowering == "eager":
-        return make_boxed_func(gm.forward)
+        return _boxed(gm)
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
 
     patches = {k: v for k, v in INDUCTOR_PATCHES.items() if hasattr(inductor_config, k)}
     with inductor_config.patch(patches):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def _boxed(gm: fx.GraphModule):
+    """The graph as a boxed callable that clears its argument list on entry, so each input
+    dies at its last use in the graph, as under Inductor (make_boxed_func unpacks the list
+    into a call, and the list keeps every input, saved activations included, alive until
+    the graph returns)."""
+    codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:  # an older torch: inputs live until the graph returns
+        return _boxed(gm)
+    gm.graph.set_codegen(codegen())
+    gm.recompile()
+
+    def run(args):
+        return gm.forward(args)
+
+    run._boxed_call = True
+    return run
+

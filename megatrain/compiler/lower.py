@@ -43,7 +43,7 @@ def _boxed(gm: fx.GraphModule):
     the graph returns)."""
     codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if codegen is None:  # an older torch: inputs live until the graph returns
-        return _boxed(gm)
+        return make_boxed_func(gm.forward)
     gm.graph.set_codegen(codegen())
     gm.recompile()
 
@@ -52,4 +52,3 @@ def _boxed(gm: fx.GraphModule):
 
     run._boxed_call = True
     return run
-

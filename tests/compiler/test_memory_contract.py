@@ -64,3 +64,19 @@ def test_steps_stay_within_the_predicted_peak(lowering, offload):
     plan = megatrain.explain(step).graphs[0].schedule.plan
     assert bool(plan.config.offloaded) == offload, plan.config
     assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)
+
+
+def test_eager_lowering_frees_its_inputs_on_entry_and_runs_without_boxed_codegen(monkeypatch):
+    """The boxed graph clears the caller's list (its inputs can die at their last use);
+    where torch.fx has no boxed codegen, the unboxed fallback still computes the same."""
+    import torch.fx as fx
+
+    from megatrain.compiler.lower import _boxed
+
+    linear = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    args = [x]
+    torch.testing.assert_close(_boxed(fx.symbolic_trace(linear))(args), linear(x))
+    assert args == []
+    monkeypatch.delattr(fx.graph, "_BoxedCodeGen")
+    torch.testing.assert_close(_boxed(fx.symbolic_trace(linear))([x]), linear(x))

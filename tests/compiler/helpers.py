@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import megatrain
+from megatrain.compiler.planner import InfeasibleBudget, PlannerOptions, plan_step
 
 
 def param_bytes(model: torch.nn.Module) -> int:
@@ -113,3 +115,15 @@ def cpu_peak_bytes(run) -> int:
         live += e.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def least_budgets(schedule) -> dict[bool, int]:
+    """The least gpu_memory of a compiled graph's step (`explain(...).graphs[i].schedule`)
+    without (False) and with (True) boundary activations offloaded: the peaks of the
+    leanest plans, as the planner's refusal of a 1-byte budget names them."""
+    need = {}
+    for offload in (False, True):
+        with pytest.raises(InfeasibleBudget) as info:
+            plan_step(schedule.plan.schedule.problem, 1, schedule.rates, options=PlannerOptions(offload=offload))
+        need[offload] = info.value.min_budget
+    return need

@@ -175,7 +175,8 @@ def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
                 n_params: int) -> dict[str, dict[str, float]]:
     """B/param over the baseline at each marked point: the peak RSS so far, the RSS then, and
     its anonymous part (RssAnon: without the file-backed pages of the libraries and code the
-    process maps, which the kernel can drop and other processes share); at the end also
+    process maps, and without shared memory, which is where cudaHostAlloc's pinned pages
+    count: _largest_mappings names both); at the end also
     after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
     rss = dict(rss, end=_memory_now())
     try:
@@ -189,10 +190,10 @@ def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
                 "anon": round((anon - anon_base) / n_params, 3)} for k, (hwm, cur, anon) in rss.items()}
 
 
-def _largest_mappings(n: int = 6, anon: bool = False) -> list[str]:
-    """The process's `n` largest mappings by resident bytes that are not (anon=False) or are
-    (anon=True) plain anonymous memory, from /proc/self/smaps: what the RSS beyond RssAnon
-    is (library images, pinned memory the CUDA driver maps, shared memory)."""
+def _largest_mappings(n: int = 6) -> list[str]:
+    """The process's `n` largest mappings by resident bytes other than plain anonymous
+    memory, from /proc/self/smaps: what the RSS beyond RssAnon is (library images, pinned
+    memory the CUDA driver maps, shared memory)."""
     rows, name, anonymous = [], None, False
     try:
         for line in open("/proc/self/smaps"):
@@ -200,7 +201,7 @@ def _largest_mappings(n: int = 6, anon: bool = False) -> list[str]:
             if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
                 name = head[5] if len(head) > 5 else "[anon]"
                 anonymous = len(head) <= 5 or name in ("[heap]", "[stack]")
-            elif head and head[0] == "Rss:" and anonymous == anon:
+            elif head and head[0] == "Rss:" and not anonymous:
                 rows.append((int(head[1]) * 1024, name))
     except OSError:
         return []
@@ -227,25 +228,6 @@ def _load_cuda_libraries(device) -> None:
     q = torch.randn(1, 4, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
     F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
     torch.cuda.synchronize(device)
-
-
-def _load_compiler(device) -> None:
-    """Compile and run a two-layer model with Inductor (Triton kernels on CUDA) and import
-    megatrain's compiler before the host-memory baseline, like _load_cuda_libraries: the
-    libraries this maps (libtriton, Inductor's and the compiler's Python modules, ~0.8
-    B/param of file-backed pages at 1.3B) are the process's, not the model's. Nothing
-    model-sized is allocated here (no probe, no pinned buffers), so no freed memory is left
-    for the model to reuse unseen."""
-    import torch
-
-    import megatrain.compiler.backend  # noqa: F401 (networkx, sympy, the passes)
-
-    tiny = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(device)
-    step = torch.compile(tiny, backend="inductor")
-    step(torch.randn(32, 64, device=device)).sum().backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    torch._dynamo.reset()
 
 
 def _status(key: str) -> int:
@@ -358,8 +340,6 @@ def run_system(args) -> dict:
                for t in args.optim_threads.split(",")] if args.optim_threads else []
     if cuda:
         _load_cuda_libraries(device)
-    if args.system in ("megatrain", "resident-compiled"):
-        _load_compiler(device)
     _refuse_if_unfit(args.system, _param_count(args.model, args.layers), device)
     rss_base, anon_base = _status("VmRSS"), _status("RssAnon")
     _phase = "building the model"
@@ -524,7 +504,6 @@ def run_system(args) -> dict:
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # peak RSS over the process's RSS before the model existed (CUDA context included)
-        # over the RSS after CUDA's libraries (and, compiled systems, the compiler) loaded
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         "host_rss_base_gib": rss_base / 2**30,
         # where it goes: peak, current and anonymous RSS at each marked point (_rss_phases)

@@ -46,7 +46,7 @@ class StepSchedule:
 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
-                  offload: bool = False) -> StepSchedule:
+                  offload: bool = True) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
     `offload`: boundary activations may wait in host memory between the passes."""
     sp = build_problem(fw, bw, params, device, dtype)

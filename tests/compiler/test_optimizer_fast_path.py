@@ -27,8 +27,9 @@ def _pair(lowering="eager", **opt_kwargs):
     torch.manual_seed(torch.seed() % 2**31)
     ref = model()
     streamed = copy.deepcopy(ref)
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
-    opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1, **opt_kwargs)
+    # eps=1e-5: see test_graph_breaks_with_the_optimizer_fast_path.
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
+    opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5, **opt_kwargs)
     step = torch.compile(streamed, backend="megatrain",
                          options={"device": "cpu", "precision": "fp32", "lowering": lowering})
     return ref, opt_ref, streamed, opt, step

@@ -171,13 +171,14 @@ def _checkpoint_layers(model) -> None:
         layer.forward = lambda *a, _f=forward: ckpt.checkpoint(_f, *a, use_reentrant=False)
 
 
-def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
+def _rss_phases(rss: dict[str, tuple[int, int, int, int, int]], base: int, anon_base: int,
                 n_params: int) -> dict[str, dict[str, float]]:
     """B/param over the baseline at each marked point: the peak RSS so far, the RSS then, and
     its anonymous part (RssAnon: without the file-backed pages of the libraries and code the
     process maps, and without shared memory, which is where cudaHostAlloc's pinned pages
-    count: _largest_mappings names both); at the end also
-    after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
+    count: _largest_mappings names both); then the shared part (RssShmem) and the bytes
+    torch's pinned allocator holds, in GiB, to tell whose the shared pages are; at the end
+    also after glibc's malloc_trim, which shows how much is freed heap the process keeps."""
     rss = dict(rss, end=_memory_now())
     try:
         import ctypes
@@ -187,7 +188,9 @@ def _rss_phases(rss: dict[str, tuple[int, int, int]], base: int, anon_base: int,
     except (OSError, AttributeError):  # not glibc
         pass
     return {k: {"peak": round((hwm - base) / n_params, 3), "now": round((cur - base) / n_params, 3),
-                "anon": round((anon - anon_base) / n_params, 3)} for k, (hwm, cur, anon) in rss.items()}
+                "anon": round((anon - anon_base) / n_params, 3), "shmem_gib": round(shmem / 2**30, 3),
+                "pinned_gib": round(pinned / 2**30, 3)}
+            for k, (hwm, cur, anon, shmem, pinned) in rss.items()}
 
 
 def _largest_mappings(n: int = 6) -> list[str]:
@@ -211,9 +214,19 @@ def _largest_mappings(n: int = 6) -> list[str]:
     return [f"{b / 2**20:.0f} MiB {nm}" for nm, b in sorted(merged.items(), key=lambda kv: -kv[1])[:n]]
 
 
-def _memory_now() -> tuple[int, int, int]:
-    """This process's peak RSS so far, RSS and anonymous RSS, in bytes."""
-    return _status("VmHWM"), _status("VmRSS"), _status("RssAnon")
+def _memory_now() -> tuple[int, int, int, int, int]:
+    """This process's peak RSS so far, RSS, anonymous and shared RSS, and the bytes torch's
+    pinned allocator holds (cached blocks included), in bytes."""
+    return _status("VmHWM"), _status("VmRSS"), _status("RssAnon"), _status("RssShmem"), _pinned_bytes()
+
+
+def _pinned_bytes() -> int:
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+    return int(stats.get("allocated_bytes.current", 0))
 
 
 def _load_cuda_libraries(device) -> None:
@@ -733,8 +746,9 @@ def main(argv=None) -> int:
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         if r.get("host_bytes_per_param_phases"):
-            print(f"{'':18s} host B/param (peak/now/anon): " + ", ".join(
+            print(f"{'':18s} host B/param (peak/now/anon), GiB (shmem/pinned allocator): " + ", ".join(
                 f"{k} {v['peak']:.2f}/{v['now']:.2f}/{v.get('anon', float('nan')):.2f}"
+                f" ({v.get('shmem_gib', float('nan')):.2f}/{v.get('pinned_gib', float('nan')):.2f})"
                 for k, v in r["host_bytes_per_param_phases"].items()))
         if r.get("host_largest_mappings"):
             print(f"{'':18s} RssFile/RssShmem GiB {r['host_rss_file_shmem_gib']}, largest "

@@ -129,6 +129,8 @@ class AdamW(Optimizer):
         self._promised_to: dict[Tensor, Deferred] = {}  # param -> its update, not queued yet
         self._promise_list: list[Deferred] = []  # not yet waited for by _wait_everything
         self._promise_lock = threading.Lock()
+        self._piece_seen: dict[Tensor, int] = {}  # param -> elements handed in so far (caller)
+        self._piece_fresh: dict[Tensor, bool] = {}  # param -> p.grad started empty (worker)
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -156,6 +158,47 @@ class AdamW(Optimizer):
             hypers = {gi: self._hyper(self.param_groups[gi]) for gi in parts}
             return self._worker.submit(self._apply_region, parts, hypers, touches=params)
         return self._worker.submit(self._accumulate_region, params, grads, final, touches=params)
+
+    def submit_pieces(self, pieces: Sequence[tuple[Tensor, int, Tensor]]) -> Future:
+        """``submit`` for parts of gradients: ``(param, start, values)``, ``values`` the 1-D
+        gradient of the contiguous ``param``'s flat elements ``start:start + len``. Why: the
+        runtime's gradient ring (megatrain.runtime.grad_ring) hands gradients to the host in
+        fixed-size chunks, so the host holds a few chunks rather than a few regions (a whole
+        embedding's gradient at least). A parameter's pieces come in order, without gaps,
+        over any number of calls; ``start`` is a multiple of ``functional.PIECE_ALIGN``, so
+        each piece rounds exactly as the whole gradient would (AdamW is elementwise). The
+        step count moves with the first piece; a parameter's gradient counts as submitted
+        (final, accumulated, normed) once its last element is in."""
+        final = self._accumulating == 0
+        immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
+        work: dict[int, list[tuple[Tensor, int, Tensor, bool, bool]]] = {}
+        for p, start, g in pieces:
+            checks.check_piece(p, start, g, self._where.__contains__, self._describe)
+            seen = self._piece_seen.get(p, 0)
+            if start != seen:
+                raise ValueError(
+                    f"submit_pieces(): {self._describe(p)} got elements from {start} after "
+                    f"{seen} of {p.numel()}: hand in each parameter's pieces in order")
+            if seen == 0 and final and p in self._final:
+                raise ValueError(
+                    f"submit_pieces(): {self._describe(p)} already received its last gradient "
+                    "for this step; call opt.step() between steps")
+            seen += g.numel()
+            last = seen == p.numel()
+            if last:
+                self._piece_seen.pop(p, None)
+                if final:
+                    self._final[p] = immediate
+                    if not immediate and is_homed(p):
+                        self._regions.append([p])
+            else:
+                self._piece_seen[p] = seen
+            work.setdefault(self._where[p][0], []).append((p, start, g, start == 0, last))
+        touches = [p for items in work.values() for p, *_ in items]
+        if immediate:
+            hypers = {gi: self._hyper(self.param_groups[gi]) for gi in work}
+            return self._worker.submit(self._apply_pieces, work, hypers, touches=touches)
+        return self._worker.submit(self._accumulate_pieces, work, final, touches=touches)
 
     def defer(self, params: Sequence[Tensor]) -> Deferred | None:
         """Promise the final gradients of ``params`` for later (see the class docstring):
@@ -679,6 +722,43 @@ class AdamW(Optimizer):
                     g = p.grad.add_(g)
                 total.append(g)
             self._update(ps, total, hypers[gi], None)
+
+    def _apply_pieces(self, work: dict[int, list[tuple]], hypers: dict[int, dict[str, float]]) -> None:
+        """Worker: final pieces, applied now (earlier micro-batches sit in p.grad)."""
+        for gi, items in work.items():
+            ps, gs, ms, vs, steps = [], [], [], [], []
+            for p, start, g, first, _ in items:
+                end = start + g.numel()
+                if p.grad is not None:
+                    g = p.grad.view(-1)[start:end].add_(g)
+                (m,), (v,), (step,) = self._state_of([p])
+                if first:
+                    step.add_(1)
+                ps.append(p.detach().view(-1)[start:end])
+                gs.append(g)
+                ms.append(m.view(-1)[start:end])
+                vs.append(v.view(-1)[start:end])
+                steps.append(step)
+            functional.adamw_at_step_(ps, gs, ms, vs, steps, **hypers[gi])
+
+    def _accumulate_pieces(self, work: dict[int, list[tuple]], final: bool) -> None:
+        """Worker: pieces summed into p.grad like ``_accumulate_region`` (a parameter whose
+        p.grad was empty at its first piece gets its pieces copied, not added)."""
+        for items in work.values():
+            for p, start, g, first, last in items:
+                if first:
+                    self._piece_fresh[p] = p.grad is None
+                    if p.grad is None:
+                        buf = self._grad_buffers.get(p)
+                        if buf is None:
+                            buf = self._grad_buffers[p] = torch.empty_like(p)
+                        p.grad = buf
+                dst = p.grad.view(-1)[start:start + g.numel()]
+                dst.copy_(g) if self._piece_fresh[p] else dst.add_(g)
+                if last:
+                    del self._piece_fresh[p]
+                    if final:
+                        self._norms[p] = (p.grad, p.grad._version, functional.grad_norm(p.grad))
 
     def _accumulate_region(self, params: list[Tensor], grads: list[Tensor], final: bool) -> None:
         """Worker: sum into p.grad like autograd (copy when empty, else add: the same bits

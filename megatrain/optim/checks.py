@@ -183,3 +183,27 @@ def grad_ok(g: object, p: Tensor) -> bool:
         and g.layout == torch.strided
         and g.shape == p.shape
     )
+
+
+def check_piece(p: object, start: object, g: object, owned: Callable[[Tensor], bool], namer: Namer) -> None:
+    """One ``submit_pieces`` item: an owned contiguous parameter, an aligned start, and a
+    1-D host gradient piece that stays inside the parameter."""
+    from .functional import PIECE_ALIGN
+
+    if not isinstance(p, Tensor) or not owned(p):
+        shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+        raise ValueError(f"submit_pieces(): a parameter ({shape}) is not managed by this optimizer")
+    name = namer(p)
+    if not p.is_contiguous():
+        raise ValueError(f"submit_pieces(): {name} is not contiguous; use submit() for it")
+    if not isinstance(g, Tensor) or g.dim() != 1 or g.layout != torch.strided:
+        raise TypeError(f"submit_pieces(): the piece for {name} must be a 1-D dense tensor")
+    if g.dtype not in GRAD_DTYPES or not g.is_cpu:
+        raise TypeError(f"submit_pieces(): the piece for {name} is {g.dtype} on {g.device}; "
+                        "pass fp32 (or bf16/fp16) pieces in host memory")
+    if not isinstance(start, int) or start < 0 or start % PIECE_ALIGN:
+        raise ValueError(f"submit_pieces(): start={start!r} for {name} must be a multiple of "
+                         f"{PIECE_ALIGN} (so pieces round like the whole tensor)")
+    if start + g.numel() > p.numel() or g.numel() == 0:
+        raise ValueError(f"submit_pieces(): a piece of {g.numel()} elements from {start} does "
+                         f"not fit {name} ({p.numel()} elements)")

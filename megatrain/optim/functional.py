@@ -24,6 +24,9 @@ from torch import Tensor
 # the CPU kernel vectorises in cache-line units and finishes a tensor's odd tail with
 # scalar code, so pieces cut at 64-element boundaries round exactly like the whole tensor.
 UPCAST_CHUNK = 1 << 22
+# Where a parameter may be cut into separately updated pieces (elements from its start),
+# for the same reason.
+PIECE_ALIGN = 64
 _scratch = threading.local()
 
 
@@ -47,6 +50,22 @@ def adamw_(
     if not params:
         return
     torch._foreach_add_(steps, 1)
+    adamw_at_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+
+
+def adamw_at_step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    **hyper: float,
+) -> None:
+    """``adamw_`` with the step counts already advanced: what pieces of one parameter
+    updated in several calls use (its count moves once, before the first piece). Pieces
+    must start at multiples of PIECE_ALIGN elements to round like the whole tensor."""
+    if not params:
+        return
     same = [i for i, (p, g) in enumerate(zip(params, grads)) if g.dtype == p.dtype]
     if len(same) == len(params):
         _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)

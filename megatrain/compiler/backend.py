@@ -228,6 +228,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             _place_updates(plan, streamer, handoffs, cap.params, opts)
             if opts.backlog:
                 streamer.enable_backlog(handoffs)
+            elif opts.grad_chunk is not None:
+                streamer.enable_grad_ring(opts.grad_chunk)
         return fw, bw
 
     def fw_compiler(fx_gm, inputs):

@@ -79,6 +79,11 @@ class GradSlabs:
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin), None
         return view, slab
 
+    def is_open(self, region: int) -> bool:
+        """Whether ``region`` has a slab being filled."""
+        with self._cv:
+            return region in self._filling
+
     def try_open(self, region: int, yield_to_waiters: bool = False) -> bool:
         """Give ``region`` a slab now if one is free or may be allocated, without waiting;
         ``yield_to_waiters``: not while a caller is blocked waiting for one."""

@@ -38,6 +38,7 @@ from . import graph_order
 from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
+from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked
 from .layout import FlatLayout, contiguous_spans
@@ -51,6 +52,10 @@ from .pool import DevicePool, Reserve
 # 16k tokens, 8 optimizer threads: 0.535 s/step with fp32 against 0.578 with bf16
 # (bench/train.py --optim-threads 8/bf16,8/fp32).
 GRAD_TRANSFER_DTYPE = torch.float32
+
+# Chunks of the gradient ring (grad_ring.py) when it is on: one being filled, one waiting,
+# one being updated, and one of slack for the hand-off's latency.
+GRAD_RING_CHUNKS = 4
 
 # The slab key under which the backlog's pump fills a slab (one region at a time).
 _PUMP = ("backlog",)
@@ -183,6 +188,7 @@ class Streamer:
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
         self._slabs = GradSlabs(pin=self.cuda)
+        self._ring: GradRing | None = None  # enable_grad_ring
         # Prefetch across graphs (graph_order.py): each phase's first fetch, and fetches
         # started early by the graph that ran before, with the parameters' versions then.
         self.index = -1
@@ -460,6 +466,10 @@ class Streamer:
             if self.device_updates.take(grad, region, param_id):
                 return  # kept on the device for the region's device update
         dtype = grad.dtype if grad.device.type == "cpu" else self.grad_transfer_dtype or grad.dtype
+        if self._ring is not None and self._ring_takes(param_id, param):
+            self._to_ring(grad, param, region, dtype)
+            self._count_in(region)
+            return
         backlog = self.backlog
         if backlog is not None and self._region_seen.get(region, 0) == 0:
             # The region's first gradient: a free slab, else the backlog if the reserve has
@@ -477,10 +487,18 @@ class Streamer:
         self._bound[param_id] = param
         if len(self._contrib[param_id]) == self._expect_param[param_id]:
             self._ready[region].append(param_id)
+        self._count_in(region)
+
+    def _count_in(self, region: int) -> None:
+        """One more gradient of ``region`` is out; with its last, the region's slab (if its
+        gradients used one) goes to the hand-off."""
+        backlog = self.backlog
         self._region_seen[region] += 1
         if self._region_seen[region] == self._expect_region[region]:
             del self._region_seen[region]  # the next backward counts afresh
             pids = self._ready.pop(region, [])
+            if not pids and not self._slabs.is_open(region) and (backlog is None or not backlog.holds(region)):
+                return  # all of the region's gradients went through the ring
             parts = [self._contrib.pop(i) for i in pids]
             params = [self._bound.pop(i) for i in pids]
             # A ticket, not the region id: a graph dynamo runs for several modules seals
@@ -516,6 +534,79 @@ class Streamer:
             entry = [staged, done, snapshot, slab]
             self._in_flight.append(entry)
         return entry
+
+    # -- the gradient ring (grad_ring.py) ----------------------------------------------
+    def _ring_takes(self, param_id: int, param: torch.Tensor) -> bool:
+        """Whether this gradient goes through the ring: one contribution per backward (a
+        tied weight's are summed in a slab first), one graph handing it in, an optimizer
+        that takes pieces."""
+        return (self._expect_param[param_id] == 1 and param.is_contiguous()
+                and hasattr(owner_of(param), "submit_pieces")
+                and not _handed_off_by_several_graphs(param))
+
+    def _to_ring(self, grad: torch.Tensor, param: torch.Tensor, region: int, dtype: torch.dtype) -> None:
+        """Copy one gradient into the ring piece by piece (CUDA: from a device snapshot, on
+        the D2H stream, as in _copy_out_into), handing each chunk to the optimizer as soon
+        as it is full. A piece's copy is issued before its chunk can be handed off."""
+        flat = grad.reshape(-1)
+        n = flat.numel()
+        ring = self._ring
+        waited = ring.wait_s
+        done = started = None
+        if self.cuda:
+            snapshot = flat.clone() if dtype == grad.dtype else flat.to(dtype)
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            self.d2h_stream.wait_event(produced)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.d2h_stream)
+        else:
+            snapshot = flat
+        start = 0
+        while start < n:
+            view, chunk = ring.carve(n - start, dtype)
+            k = view.numel()
+            if self.cuda:
+                with torch.cuda.stream(self.d2h_stream):
+                    view.copy_(snapshot[start:start + k], non_blocking=True)
+                    done = torch.cuda.Event(enable_timing=True)
+                    done.record(self.d2h_stream)
+            else:
+                view.copy_(snapshot[start:start + k])
+            chunk.pieces.append((param, start, view, done))
+            start += k
+            full = ring.seal_if_full()
+            if full is not None:
+                self._hand_chunk(full)
+        self.stats.slab_wait_s += ring.wait_s - waited
+        self.stats.d2h_bytes += n * dtype.itemsize
+        if self.cuda:
+            self.stats.grad_copies.append((region, started, done))
+            self._in_flight.append([None, done, snapshot, None])
+            self._release_copied()
+
+    def _hand_chunk(self, chunk) -> None:
+        future = self._handoff.submit(self._hand_over_chunk, chunk)
+        with self._lock:
+            self._handoffs.append(future)
+
+    def _hand_over_chunk(self, chunk) -> None:
+        """On the hand-off thread: once the chunk's copies are done (one stream, in order:
+        the last piece's event), give its pieces to their optimizers, wait until they are
+        consumed, and give the chunk back to the ring."""
+        try:
+            done = chunk.pieces[-1][3]
+            if done is not None:
+                done.synchronize()
+            by_owner: dict[int, tuple] = {}
+            for p, start, view, _ in chunk.pieces:
+                opt = owner_of(p)
+                by_owner.setdefault(id(opt), (opt, []))[1].append((p, start, view))
+            futures = [opt.submit_pieces(items) for opt, items in by_owner.values()]
+            for f in futures:
+                f.result()
+        finally:
+            self._ring.release(chunk)
 
     def _pump(self) -> None:
         """Send backlogged regions to the host while slabs are free, earliest deadline
@@ -702,6 +793,14 @@ class Streamer:
         tied = {r for r, p in handoffs if counts[p] > 1}
         self.backlog = GradBacklog(self.device, self.reserve, tied)
 
+    def enable_grad_ring(self, chunk_bytes: int, chunks: int = GRAD_RING_CHUNKS) -> None:
+        """Send untied gradients to their optimizer through a ring of fixed-size host chunks
+        instead of region slabs (grad_ring.py): host memory for gradients becomes
+        ``chunks x chunk_bytes`` whatever the largest region."""
+        assert self.backlog is None, "the backlog hands over whole regions: slabs only"
+        if self._ring is None:
+            self._ring = GradRing(chunk_bytes, chunks, pin=self.cuda)
+
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the
         largest fetch is ``region_numel`` parameters (only CUDA casts on the device)."""
@@ -764,6 +863,10 @@ class Streamer:
         dtype) or handed to its optimizer, so `opt.step()` sees all of them. With the
         backlog, regions not handed over yet are deferred instead (AdamW.defer) where every
         optimizer concerned agrees: then step() has nothing to wait for."""
+        if self._ring is not None:
+            chunk = self._ring.seal()  # the last, partly filled chunk
+            if chunk is not None:
+                self._hand_chunk(chunk)
         if self.backlog is None or not self._defer_rest():
             self.wait_handoffs()
         for p in self._pending:

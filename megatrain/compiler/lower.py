@@ -7,7 +7,6 @@ passes that could move them are switched off). "eager" runs the scheduled FX gra
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 

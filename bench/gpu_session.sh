@@ -6,12 +6,13 @@
 #   bash bench/gpu_session.sh
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  at 16k tokens, megatrain without and with the backlog; a megatrain child
+#                  at 16k tokens, megatrain with region slabs and with the gradient ring
+#                  (host memory per parameter, issue 4); a megatrain child
 #                  takes ~2.5 min at 1.3B: probe, build, page-locking, compile); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 330)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
-#                  updates; the zoo, all passed, is left out); "" skips
+#                  updates + gradient ring; the zoo, all passed, is left out); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 200)
 #   MEGATRAIN_COMMIT  recorded in the rows
 # The device tool brings back at most 8 files from $OUT: on exit (also when a `timeout`
@@ -30,7 +31,7 @@ trap 'exit 143' TERM
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,megatrain+backlog --steps 4"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,megatrain+grad-ring --steps 4"
 while IFS= read -r run; do
   [ -z "$run" ] && continue
   echo "== bench/train.py $run"
@@ -39,7 +40,7 @@ while IFS= read -r run; do
     | grep -v '^{' | grep -v '^\[' | tail -25
 done <<< "${TRAIN_RUNS-$default_run}"
 
-default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py"
+default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py"
 IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
 for i in "${!groups[@]}"; do
   # eval: a group may quote its arguments (-k 'a or b')

@@ -60,6 +60,8 @@ HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf
 # v (12 B) plus gradient slabs: 12.5-13 predicted in NOTES.md (17.4 measured before the
 # pinned-rounding fixes), so the check is a floor: passing it does not promise a fit.
 HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "megatrain": 13}
+# megatrain --grad-ring: the chunk size (4 chunks: 256 MiB of host memory for gradients).
+GRAD_RING_CHUNK = "64MiB"
 GPU_STATE_BYTES_PER_PARAM = 16  # resident: fp32 weight, grad, AdamW m and v on the GPU
 _phase = "setup"  # what the child was doing, for the out-of-memory line
 
@@ -326,6 +328,7 @@ def _megatrain_stats(step_fn) -> dict:
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
             "grad_slab_bytes": sum(s._slabs.allocated * s._slabs.slab_bytes for s in streamers),
             "grad_own_buffers": sum(s._slabs.own_buffers for s in streamers),
+            "grad_ring_bytes": sum(s._ring.allocated * s._ring.chunk_bytes for s in streamers if s._ring),
             "page_lock_failures": list(host_store.register_failures),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
@@ -411,6 +414,8 @@ def run_system(args) -> dict:
             options["gpu_memory"] = args.gpu_memory
         if args.backlog:
             options["backlog"] = True
+        if args.grad_ring:
+            options["grad_chunk"] = GRAD_RING_CHUNK
         if args.no_offload:
             options["offload"] = False
         if args.kernels:
@@ -531,6 +536,7 @@ def run_system(args) -> dict:
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
         "backlog": args.backlog if args.system == "megatrain" else None,
+        "grad_chunk": GRAD_RING_CHUNK if args.system == "megatrain" and args.grad_ring else None,
         "offload": not args.no_offload if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
@@ -645,6 +651,9 @@ def main(argv=None) -> int:
                    help="megatrain: where AdamW updates run (compile option `updates`)")
     p.add_argument("--backlog", action="store_true",
                    help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
+    p.add_argument("--grad-ring", action="store_true",
+                   help=f"megatrain: compile option grad_chunk={GRAD_RING_CHUNK!r} (gradients cross "
+                        "in a ring of fixed-size chunks instead of two region slabs)")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")
@@ -754,7 +763,8 @@ def main(argv=None) -> int:
             print(f"{'':18s} RssFile/RssShmem GiB {r['host_rss_file_shmem_gib']}, largest "
                   f"non-anonymous mappings: {r['host_largest_mappings']}; torch pinned allocator "
                   f"{r.get('pinned_allocator')}; gradients outside the slabs "
-                  f"{r.get('grad_own_buffers')}, page-lock failures {r.get('page_lock_failures')}")
+                  f"{r.get('grad_own_buffers')}, page-lock failures {r.get('page_lock_failures')}; "
+                  f"gradient slabs {r.get('grad_slab_bytes')} B, ring {r.get('grad_ring_bytes')} B")
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

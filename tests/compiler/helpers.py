@@ -75,6 +75,34 @@ def train_eager(model, batches, max_grad_norm=None, lr_decay=1.0):
     return dict(params=flat(ref.parameters()), losses=losses)
 
 
+def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=False, lr_decay=1.0):
+    """`train_eager`'s run through the backend with megatrain.AdamW: a copy of `model`,
+    compiled with `options`; with `accumulate` each batch's first row is a micro-batch of its
+    own (inside opt.accumulate()). Returns the model, its flat parameters, the losses, the
+    first graph's plan and, after each step(), how many updates were still deferred."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    step = torch.compile(model, backend="megatrain", options=options)
+    losses, deferred = [], []
+    for ids, labels in batches:
+        if accumulate:
+            with opt.accumulate():
+                (step(ids[:1], labels=labels[:1]) / 2).backward()
+            ids, labels = ids[1:], labels[1:]
+        loss = step(ids, labels=labels) / (2 if accumulate else 1)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        deferred.append(len({id(d) for d in opt._promised_to.values()}))
+        for group in opt.param_groups:
+            group["lr"] *= lr_decay
+        opt.zero_grad()
+    opt.synchronize()
+    return dict(model=model, params=flat(model.parameters()), losses=losses, deferred=deferred,
+                plan=megatrain.explain(step).graphs[0], step=step)
+
+
 def breaking_llama(where: str, config):
     """A Llama whose head is tied to the embedding by hand (F.linear with its weight), with a
     graph break `where`: "inside the layer loop" (after layer 1: dynamo compiles the layer's

@@ -10,7 +10,6 @@ per-region updates changes) and eager torch.optim.AdamW to test_backend_cpu.py's
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
@@ -23,7 +22,7 @@ from megatrain.runtime.grad_backlog import EdfQueue, GradBacklog
 from megatrain.runtime.grad_slabs import GradSlabs
 from megatrain.runtime.pool import DevicePool, Reserve
 
-from .helpers import breaking_llama, flat, rel, random_batches, train_eager
+from .helpers import breaking_llama, rel, random_batches, train_eager, train_megatrain
 
 VOCAB = 160
 
@@ -127,31 +126,11 @@ def llama(tied=False, layers=3):
 
 def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **options):
     """Three steps with megatrain.AdamW, the learning rate halved after every step() like
-    a scheduler; returns parameters, losses, the streamer and how many updates were still
-    deferred when step() returned."""
-    torch._dynamo.reset()
-    model = copy.deepcopy(model)
-    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
-    step = torch.compile(model, backend="megatrain", options={
-        "device": "cpu", "precision": "fp32", "lowering": "eager", "backlog": backlog, **options})
-    losses, deferred = [], []
-    for ids, labels in batches:
-        if accumulate:
-            with opt.accumulate():
-                (step(ids[:1], labels=labels[:1]) / 2).backward()
-            ids, labels = ids[1:], labels[1:]
-        loss = step(ids, labels=labels) / (2 if accumulate else 1)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        deferred.append(len({id(d) for d in opt._promised_to.values()}))
-        for group in opt.param_groups:
-            group["lr"] *= 0.5
-        opt.zero_grad()
-    opt.synchronize()
-    plan = megatrain.explain(step).graphs[0]
-    return dict(params=flat(model.parameters()), losses=losses, streamer=plan.streamer, plan=plan,
-                deferred=deferred, step=step)
+    a scheduler (train_megatrain), plus the plan's streamer."""
+    out = train_megatrain(model, batches, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                           "backlog": backlog, **options},
+                          max_grad_norm=max_grad_norm, accumulate=accumulate, lr_decay=0.5)
+    return dict(out, streamer=out["plan"].streamer)
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -20,7 +20,7 @@ from megatrain.models import Llama, LlamaConfig
 from megatrain.optim.functional import PIECE_ALIGN
 from megatrain.runtime.grad_ring import GradRing
 
-from .helpers import breaking_llama, flat, random_batches
+from .helpers import breaking_llama, random_batches, train_megatrain
 
 VOCAB = 160
 
@@ -83,26 +83,10 @@ def llama(tied=False, layers=3):
                              rope_theta=10000.0, tie_embeddings=tied))
 
 
-def train(model, batches, grad_chunk, *, max_grad_norm=None, accumulate=False, compile_model=None):
-    torch._dynamo.reset()
-    model = copy.deepcopy(model)
-    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
-    step = torch.compile(model, backend="megatrain", options={
-        "device": "cpu", "precision": "fp32", "lowering": "eager", "grad_chunk": grad_chunk})
-    losses = []
-    for ids, labels in batches:
-        if accumulate:
-            with opt.accumulate():
-                (step(ids[:1], labels=labels[:1]) / 2).backward()
-            ids, labels = ids[1:], labels[1:]
-        loss = step(ids, labels=labels) / (2 if accumulate else 1)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    streamers = [g.streamer for g in megatrain.explain(step).graphs]
-    return dict(params=flat(model.parameters()), losses=losses, streamers=streamers)
+def train(model, batches, grad_chunk, **kw):
+    out = train_megatrain(model, batches, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                           "grad_chunk": grad_chunk}, **kw)
+    return dict(out, streamers=[g.streamer for g in megatrain.explain(out["step"]).graphs])
 
 
 CHUNK = 64 << 10  # 64 KiB: the 160 x 64 embedding (40 KiB) and the MLPs are cut across chunks

@@ -181,24 +181,10 @@ def test_cuda_refusals():
 
 def _train_cuda(model, updates: str, batches):
     """Three fp32 steps through the backend on CUDA with megatrain.AdamW."""
-    import copy
+    from ..compiler.helpers import train_megatrain
 
-    import megatrain
-
-    torch._dynamo.reset()
-    model = copy.deepcopy(model)
-    opt = mo.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cuda", "precision": "fp32", "updates": updates})
-    losses = []
-    for ids, labels in batches:
-        loss = step(ids, labels=labels)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    return [p.detach().clone() for p in model.parameters()], losses, megatrain.explain(step).graphs[0]
+    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", "updates": updates})
+    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
 
 
 @pytest.mark.usefixtures("no_tf32")

@@ -10,35 +10,19 @@ before its copy finished, lost or applied twice moves parameters by ~lr = 3e-3.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import random_batches
+from ..compiler.helpers import random_batches, train_megatrain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 def _train(model, batches, grad_chunk):
-    torch._dynamo.reset()
-    model = copy.deepcopy(model)
-    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cuda", "precision": "fp32", "grad_chunk": grad_chunk})
-    losses = []
-    for ids, labels in batches:
-        loss = step(ids, labels=labels)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    plan = megatrain.explain(step).graphs[0]
-    return [p.detach().clone() for p in model.parameters()], losses, plan
+    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", "grad_chunk": grad_chunk})
+    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
 
 
 def test_ring_matches_region_slabs_on_cuda():

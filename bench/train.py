@@ -231,6 +231,45 @@ def _pinned_bytes() -> int:
     return int(stats.get("allocated_bytes.current", 0))
 
 
+class _PinnedWatch:
+    """Who takes blocks from torch's pinned allocator (issue 4: 1 GiB of it appears in the
+    first backward, and none of megatrain's buffers come from it): a thread polls its bytes
+    every millisecond and, each time they grow, keeps the Python stacks of the other threads
+    then. A copy into a fresh pinned block takes ~20 ms per GB, so the allocating frame is
+    still on its stack when the poll sees the bytes."""
+
+    def __init__(self, most: int = 4):
+        import threading
+
+        self.events: list[dict] = []
+        self._most, self._stop = most, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        import threading
+        import traceback
+
+        seen = _pinned_bytes()
+        while not self._stop.wait(0.001) and len(self.events) < self._most:
+            now = _pinned_bytes()
+            if now > seen:
+                frames = sys._current_frames()
+                me = threading.get_ident()
+                stacks = {str(t): [f"{fs.filename.rsplit('site-packages/', 1)[-1]}:{fs.lineno} {fs.name}"
+                                   for fs in traceback.extract_stack(f)[-10:]]
+                          for t, f in frames.items() if t != me}
+                self.events.append({"phase": _phase, "from_bytes": seen, "to_bytes": now, "stacks": stacks})
+                seen = now
+
+
 def _load_cuda_libraries(device) -> None:
     """Create the CUDA context and load the kernels every system here uses (cuBLAS GEMMs,
     SDPA, forward and backward) before the host-memory baseline: the host memory they take
@@ -478,7 +517,8 @@ def run_system(args) -> dict:
     if threads and threads[0][1] != "default":
         raise SystemExit("--optim-threads: the first entry runs before compiling; give it no /dtype")
     mark("set_up")  # the probe ran (megatrain on CUDA), the optimizer exists
-    times, phases, loss = run_steps(1, first=True)
+    with _PinnedWatch() as pinned_watch:  # the first step, compiling: untimed
+        times, phases, loss = run_steps(1, first=True)
     mark("first_step")  # the optimizer's state exists
     more, more_phases, loss = run_steps(args.steps - 1, first=False, start=1)
     times, phases = times + more, phases + more_phases
@@ -532,6 +572,7 @@ def run_system(args) -> dict:
                              if k.startswith(("allocations.", "allocated_bytes.", "active_requests."))
                              and k.endswith((".current", ".peak"))} if cuda and hasattr(torch.cuda, "host_memory_stats") else None,
         "host_largest_mappings": _largest_mappings(),
+        "pinned_growth": pinned_watch.events,
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
@@ -765,6 +806,10 @@ def main(argv=None) -> int:
                   f"{r.get('pinned_allocator')}; gradients outside the slabs "
                   f"{r.get('grad_own_buffers')}, page-lock failures {r.get('page_lock_failures')}; "
                   f"gradient slabs {r.get('grad_slab_bytes')} B, ring {r.get('grad_ring_bytes')} B")
+        for ev in r.get("pinned_growth") or []:
+            print(f"{'':18s} pinned allocator {ev['from_bytes']} -> {ev['to_bytes']} B in {ev['phase']}; stacks:")
+            for tid, frames in ev["stacks"].items():
+                print(f"{'':20s}thread {tid}: " + " <- ".join(reversed(frames[-6:])))
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))

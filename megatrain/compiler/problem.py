@@ -12,7 +12,13 @@
                  without weights and saved outputs (planner buffers); a weight gradient
                  counts until the hand-off after its own (the runtime frees finished
                  copies there), so the planner holds no whole-region gradient buffer; on
-                 CUDA at fp32 size (it leaves from an fp32 snapshot)
+                 CUDA at fp32 size (it leaves from an fp32 snapshot). With `fused` (Inductor's
+                 Triton kernels) plus the unit's largest transient tensor: a fused kernel
+                 computes several nodes at once, so one of them may be allocated before,
+                 or freed after, the moment the walk in FX order gives it (H200,
+                 2026-12-04: an 8-layer step planned at 267.8 MB peaked at 275.9 MB under
+                 Inductor with buffer reuse off; its largest transient is 22.5 MB; on the
+                 CPU, Inductor's C++ kernels stay within the walk: test_memory_contract)
     flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
     inputs       the activation DAG: unit A reads an output of unit B in the forward
 
@@ -58,8 +64,9 @@ class StepProblem:
 
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
-                  device: torch.device, dtype: torch.dtype) -> StepProblem:
-    """`bw=None` describes a forward-only (inference) graph."""
+                  device: torch.device, dtype: torch.dtype, fused: bool = False) -> StepProblem:
+    """`bw=None` describes a forward-only (inference) graph; `fused`: the graphs run as
+    Inductor compiles them (fused kernels), not node by node."""
     graphs = [_Graph(fw.graph)] + ([_Graph(bw.graph)] if bw is not None else [])
     unit_of = _units(graphs)
     for g in graphs:
@@ -75,7 +82,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     out_bytes = {u: sizes.total(ns) for u, ns in saved_by_unit.items()}
     base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
                        + [n for n in saved if n not in f.owner])
-    work_fw = f.working_sets(sizes, exclude=set(saved), until={})
+    work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused)
     flops_fw = f.flops(sizes)
     weights, fetched = _weights(graphs, params, dtype)
     work_bw, flops_bw, bw_order, bw_fetched = {}, {}, None, {}
@@ -89,7 +96,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         lives = b.gradient_lives()
         if sizes.device.type == "cuda":
             sizes.fp32_snapshots = set(lives)
-        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents)
+        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents, fused=fused)
         for u, extra in b.self_saved(f, sizes).items():
             work_bw[u] = work_bw.get(u, 0) + extra
         for u in fw_order:
@@ -263,10 +270,11 @@ class _Graph:
         return out
 
     def working_sets(self, sizes: "_Sizes", exclude: set[fx.Node], until: dict[fx.Node, int],
-                     inputs: list[fx.Node] = ()) -> dict[int, object]:
+                     inputs: list[fx.Node] = (), fused: bool = False) -> dict[int, object]:
         """Per unit, the most transient bytes live at once at one of its nodes (symbolic:
         the set of tensors live at that moment, judged by the current sizes). `until`
-        overrides where a tensor dies; `inputs` (placeholders) count until their last use."""
+        overrides where a tensor dies; `inputs` (placeholders) count until their last use;
+        `fused` adds the unit's largest transient tensor (module docstring)."""
         last: dict[fx.Node, int] = {}
         end = len(self.nodes)
         for i, n in enumerate(self.nodes):
@@ -277,8 +285,10 @@ class _Graph:
         frees: dict[int, list[fx.Node]] = {}
         total = 0
         best: dict[int, tuple[int, tuple, fx.Node | None]] = {}
+        largest: dict[int, tuple[int, fx.Node]] = {}  # unit -> its largest transient
         inputs = set(inputs)
         for i, n in enumerate(self.nodes):
+            u = self.owner.get(n)
             if (n in inputs or n.op == "call_function" and n.target is not ops.FETCH and not _is_view(n)) \
                     and n not in exclude:
                 b = sizes.hint(n)
@@ -286,13 +296,15 @@ class _Graph:
                     live[n] = b
                     total += b
                     frees.setdefault(last.get(n, i), []).append(n)
-            u = self.owner.get(n)
+                    if u is not None and b > largest.get(u, (0,))[0]:
+                        largest[u] = (b, n)
             scratch = sizes.scratch_hint(n)  # what `n` allocates and frees inside itself
             if u is not None and total + scratch > best.get(u, (-1,))[0]:
                 best[u] = (total + scratch, tuple(live), n if scratch else None)
             for x in frees.pop(i, ()):
                 total -= live.pop(x)
         return {u: sizes.total(nodes) + (sizes.scratch(at) if at is not None else 0)
+                + (sizes.bytes(largest[u][1]) if fused and u in largest else 0)
                 for u, (_, nodes, at) in best.items()}
 
     def self_saved(self, forward: "_Graph", sizes: "_Sizes") -> dict[int, object]:

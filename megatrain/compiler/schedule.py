@@ -46,10 +46,11 @@ class StepSchedule:
 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
-                  offload: bool = True) -> StepSchedule:
+                  offload: bool = True, fused: bool = False) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
-    `offload`: boundary activations may wait in host memory between the passes."""
-    sp = build_problem(fw, bw, params, device, dtype)
+    `offload`: boundary activations may wait in host memory between the passes; `fused`:
+    Inductor lowers the graphs (problem.py counts its fused kernels' working sets)."""
+    sp = build_problem(fw, bw, params, device, dtype, fused)
     rates = compile_rates(device)
     plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
                      options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None))

@@ -219,6 +219,7 @@ class Streamer:
             self._staging: list[torch.Tensor | None] = [None] * max(staging_slots, 1)
             self._staging_free: list[torch.cuda.Event | None] = [None] * max(staging_slots, 1)
             self._staging_next = 0
+        self._autotune_pins_released = False  # drain: release_cached_pinned_blocks, once
         # Boundary activations the plan parks in host memory between the passes.
         self.activations = ActivationStore(device, getattr(self, "h2d_stream", None),
                                            getattr(self, "d2h_stream", None))
@@ -877,6 +878,9 @@ class Streamer:
             if p.out is not p.staged:
                 p.out.copy_(p.staged)
         self._pending.clear()
+        if self.cuda and not self._autotune_pins_released:
+            self._autotune_pins_released = True
+            release_cached_pinned_blocks()  # what the first backward's autotuning left
         self.end_step()
 
 

@@ -160,3 +160,20 @@ def test_default_plan_is_the_old_prefetch_k_ahead_schedule():
     old_spans = _uses(fw)  # first fetch .. last weight reader: same order of ops
     assert [(e.kind, e.region) for e in sched.forward] == \
         [(e.kind, e.region) for e in _prefetch_k_ahead(old_spans, 2)]
+
+
+def test_fused_lowering_counts_one_more_transient_per_region():
+    """Under Inductor's Triton kernels (fused=True) each region's working sets grow by its
+    largest transient tensor (a fused kernel may hold one node's output beyond its FX
+    lifetime), so the planned peak grows and the prefetch schedule stays the same."""
+    sid = _streamer()
+    fw, bw = _graph(sid, [0, 1, 2]), _graph(sid, [2, 1, 0])
+    plain = build_problem(fw, bw, [], torch.device("cpu"), torch.float32).problem
+    fused = build_problem(fw, bw, [], torch.device("cpu"), torch.float32, fused=True).problem
+    largest = 4 * HIDDEN * 4  # each region's mm and relu outputs: [4, HIDDEN] fp32
+    for a, b in zip(plain.regions, fused.regions):
+        assert (b.work_fw - a.work_fw, b.work_bw - a.work_bw) == (largest, largest), (a, b)
+    lean = schedule_step(fw, bw, [], torch.device("cpu"), torch.float32, 1 << 30, prefetch=1)
+    held = schedule_step(fw, bw, [], torch.device("cpu"), torch.float32, 1 << 30, prefetch=1, fused=True)
+    assert held.plan.peak_bytes == lean.plan.peak_bytes + largest
+    assert held.forward == lean.forward and held.backward == lean.backward

@@ -40,7 +40,7 @@ from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
-from .host_store import is_page_locked
+from .host_store import is_page_locked, release_cached_pinned_blocks
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError
 from ..optim.registry import owner_of

@@ -270,6 +270,37 @@ class _PinnedWatch:
                 seen = now
 
 
+def _pinned_holders(least: int = 256 << 20) -> dict:
+    """Who still holds torch's pinned blocks at the end (issue 4: after the first backward
+    megatrain gives back what the allocator caches unused, yet one 1 GiB block of Inductor's
+    autotuner stayed in use on the H200): the pinned bytes before and after a garbage
+    collection and an empty-cache, and for each pinned tensor of at least `least` bytes
+    still alive, the types of what refers to it."""
+    import gc
+
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    before = _pinned_bytes()
+    holders = []
+    for obj in gc.get_objects():
+        try:
+            big = isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.is_pinned() \
+                and obj.untyped_storage().nbytes() >= least
+        except Exception:  # objects that half-exist during collection
+            continue
+        if big:
+            holders.append({"bytes": obj.untyped_storage().nbytes(), "shape": list(obj.shape),
+                            "referrers": [type(r).__qualname__ + (f" {sorted(r)[:8]}" if isinstance(r, dict) else "")
+                                          for r in gc.get_referrers(obj)][:8]})
+    gc.collect()
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch.cuda.synchronize()
+        torch._C._host_emptyCache()
+    return {"before": before, "after_gc_and_empty_cache": _pinned_bytes(), "tensors": holders[:6]}
+
+
 def _load_cuda_libraries(device) -> None:
     """Create the CUDA context and load the kernels every system here uses (cuBLAS GEMMs,
     SDPA, forward and backward) before the host-memory baseline: the host memory they take
@@ -573,6 +604,7 @@ def run_system(args) -> dict:
                              and k.endswith((".current", ".peak"))} if cuda and hasattr(torch.cuda, "host_memory_stats") else None,
         "host_largest_mappings": _largest_mappings(),
         "pinned_growth": pinned_watch.events,
+        "pinned_holders": _pinned_holders() if cuda else None,
         "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
@@ -806,6 +838,8 @@ def main(argv=None) -> int:
                   f"{r.get('pinned_allocator')}; gradients outside the slabs "
                   f"{r.get('grad_own_buffers')}, page-lock failures {r.get('page_lock_failures')}; "
                   f"gradient slabs {r.get('grad_slab_bytes')} B, ring {r.get('grad_ring_bytes')} B")
+        if r.get("pinned_holders"):
+            print(f"{'':18s} pinned blocks held at the end: {r['pinned_holders']}")
         for ev in r.get("pinned_growth") or []:
             print(f"{'':18s} pinned allocator {ev['from_bytes']} -> {ev['to_bytes']} B in {ev['phase']}; stacks:")
             for tid, frames in ev["stacks"].items():

@@ -60,7 +60,8 @@ HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf
 # v (12 B) plus gradient slabs: 12.5-13 predicted in NOTES.md (17.4 measured before the
 # pinned-rounding fixes), so the check is a floor: passing it does not promise a fit.
 HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "megatrain": 13}
-# megatrain --grad-ring: the chunk size (4 chunks: 256 MiB of host memory for gradients).
+# megatrain --grad-ring without a size: the chunk size (4 chunks: 256 MiB of host memory for
+# gradients). A size picks another: --grad-ring=128MiB, or the variant megatrain+grad-ring=128MiB.
 GRAD_RING_CHUNK = "64MiB"
 GPU_STATE_BYTES_PER_PARAM = 16  # resident: fp32 weight, grad, AdamW m and v on the GPU
 _phase = "setup"  # what the child was doing, for the out-of-memory line
@@ -485,7 +486,7 @@ def run_system(args) -> dict:
         if args.backlog:
             options["backlog"] = True
         if args.grad_ring:
-            options["grad_chunk"] = GRAD_RING_CHUNK
+            options["grad_chunk"] = args.grad_ring
         if args.no_offload:
             options["offload"] = False
         if args.kernels:
@@ -609,7 +610,7 @@ def run_system(args) -> dict:
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
         "backlog": args.backlog if args.system == "megatrain" else None,
-        "grad_chunk": GRAD_RING_CHUNK if args.system == "megatrain" and args.grad_ring else None,
+        "grad_chunk": args.grad_ring if args.system == "megatrain" else None,
         "offload": not args.no_offload if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
@@ -676,8 +677,9 @@ def _error_text(stderr: str, returncode: int) -> str:
 
 
 def _child(args, argv, system: str, layers: int | None = None) -> dict:
-    """Run one system in its own process; "megatrain+backlog" adds --backlog to its flags
-    (variants of one system, alternated in one run, compare side by side)."""
+    """Run one system in its own process; "megatrain+backlog" adds --backlog to its flags,
+    "megatrain+grad-ring=128MiB" --grad-ring=128MiB (variants of one system, alternated in
+    one run, compare side by side)."""
     base, *flags = system.split("+")
     cmd = [sys.executable, __file__, "--system", base] + [a for a in argv if a != "--smoke"] \
         + [f"--{flag}" for flag in flags]
@@ -724,9 +726,9 @@ def main(argv=None) -> int:
                    help="megatrain: where AdamW updates run (compile option `updates`)")
     p.add_argument("--backlog", action="store_true",
                    help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
-    p.add_argument("--grad-ring", action="store_true",
-                   help=f"megatrain: compile option grad_chunk={GRAD_RING_CHUNK!r} (gradients cross "
-                        "in a ring of fixed-size chunks instead of two region slabs)")
+    p.add_argument("--grad-ring", nargs="?", const=GRAD_RING_CHUNK, default=None, metavar="SIZE",
+                   help=f"megatrain: compile option grad_chunk=SIZE (default {GRAD_RING_CHUNK!r}): "
+                        "gradients cross in a ring of fixed-size chunks instead of two region slabs")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")

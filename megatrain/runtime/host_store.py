@@ -8,6 +8,7 @@ is slow to lock (~2-3 s per 4 GiB) and the only memory PCIe reads at full speed.
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -96,8 +97,12 @@ def release_cached_pinned_blocks() -> None:
     and drops it, and that allocator keeps the block for the life of the process: 1 GiB,
     0.78 B/param, at 1.3B and 16k tokens on the H200 (2026-12-04, bench/train.py's watch of
     the allocator named the autotuner). The streamer calls this once, after the first
-    backward, when autotuning is over."""
+    backward, when autotuning is over. A garbage collection first: one of two such blocks
+    stayed in use after the first backward with nothing of ours holding it (H200, session 9),
+    and a reference cycle through a caught exception's frame is the likely holder; to be
+    confirmed by bench/train.py's `pinned_holders`."""
     if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+        gc.collect()
         torch._C._host_emptyCache()
 
 

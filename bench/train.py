@@ -281,6 +281,8 @@ def _pinned_holders(least: int = 256 << 20) -> dict:
 
     import torch
 
+    from megatrain.runtime.host_store import release_cached_pinned_blocks
+
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
     before = _pinned_bytes()
@@ -295,10 +297,7 @@ def _pinned_holders(least: int = 256 << 20) -> dict:
             holders.append({"bytes": obj.untyped_storage().nbytes(), "shape": list(obj.shape),
                             "referrers": [type(r).__qualname__ + (f" {sorted(r)[:8]}" if isinstance(r, dict) else "")
                                           for r in gc.get_referrers(obj)][:8]})
-    gc.collect()
-    if hasattr(torch._C, "_host_emptyCache"):
-        torch.cuda.synchronize()
-        torch._C._host_emptyCache()
+    release_cached_pinned_blocks()
     return {"before": before, "after_gc_and_empty_cache": _pinned_bytes(), "tensors": holders[:6]}
 
 

@@ -89,7 +89,7 @@ def page_locked_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-def release_cached_pinned_blocks() -> None:
+def release_cached_pinned_blocks(device: torch.device | None = None) -> None:
     """Give torch's cached, unused page-locked blocks back to the system (blocks in use are
     untouched). Why: Inductor's autotuner, benchmarking a backward kernel that writes one of
     its inputs where cloning the input on the device would raise the peak, parks it in a
@@ -97,11 +97,14 @@ def release_cached_pinned_blocks() -> None:
     and drops it, and that allocator keeps the block for the life of the process: 1 GiB,
     0.78 B/param, at 1.3B and 16k tokens on the H200 (2026-12-04, bench/train.py's watch of
     the allocator named the autotuner). The streamer calls this once, after the first
-    backward, when autotuning is over. A garbage collection first: one of two such blocks
-    stayed in use after the first backward with nothing of ours holding it (H200, session 9),
-    and a reference cycle through a caught exception's frame is the likely holder; to be
-    confirmed by bench/train.py's `pinned_holders`."""
+    backward, when autotuning is over. `device` is synchronized first: a freed block is
+    reusable only once the copies queued on it completed, and the host runs ahead of the
+    GPU. Then a garbage collection: one of two such blocks stayed in use even after the
+    sync (H200, session 9) with nothing of ours holding it, and a reference cycle through a
+    caught exception's frame is the likely holder; to be confirmed by bench/train.py's
+    `pinned_holders`."""
     if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+        torch.cuda.synchronize(device)
         gc.collect()
         torch._C._host_emptyCache()
 

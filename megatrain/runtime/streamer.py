@@ -882,12 +882,8 @@ class Streamer:
                 p.out.copy_(p.staged)
         self._pending.clear()
         if self.cuda and not self._autotune_pins_released:
-            # What the first backward's autotuning left. A freed pinned block is reusable
-            # only once the copies queued on it completed, and the host runs ahead of the
-            # GPU: without the sync one of two 1 GiB blocks stayed (H200, 1.3B). Once.
-            self._autotune_pins_released = True
-            torch.cuda.synchronize(self.device)
-            release_cached_pinned_blocks()
+            self._autotune_pins_released = True  # what the first backward's autotuning left
+            release_cached_pinned_blocks(self.device)
         self.end_step()
 
 

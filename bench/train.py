@@ -44,7 +44,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -240,8 +242,6 @@ class _PinnedWatch:
     still on its stack when the poll sees the bytes."""
 
     def __init__(self, most: int = 4):
-        import threading
-
         self.events: list[dict] = []
         self._most, self._stop = most, threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -255,9 +255,6 @@ class _PinnedWatch:
         self._thread.join()
 
     def _poll(self) -> None:
-        import threading
-        import traceback
-
         seen = _pinned_bytes()
         while not self._stop.wait(0.001) and len(self.events) < self._most:
             now = _pinned_bytes()

@@ -264,6 +264,9 @@ class _PinnedWatch:
                 stacks = {str(t): [f"{fs.filename.rsplit('site-packages/', 1)[-1]}:{fs.lineno} {fs.name}"
                                    for fs in traceback.extract_stack(f)[-10:]]
                           for t, f in frames.items() if t != me}
+                # Held past here, the frames keep their locals alive: the autotuner's pinned
+                # copy among them, which is what kept a 1 GiB block in use (session 10).
+                del frames
                 self.events.append({"phase": _phase, "from_bytes": seen, "to_bytes": now, "stacks": stacks})
                 seen = now
 

@@ -89,24 +89,45 @@ def page_locked_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
+def cached_pinned_bytes() -> int:
+    """Bytes torch's pinned allocator holds in blocks no tensor uses (0 without CUDA)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()
+            and hasattr(torch.cuda, "host_memory_stats")):
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0)
+
+
+def release_unused_pinned_blocks() -> bool:
+    """Give torch's cached, unused page-locked blocks back to the system, if it holds any;
+    True if it did. Why: Inductor's autotuner, benchmarking a backward kernel that writes
+    one of its inputs where cloning the input on the device would raise the peak, parks it
+    in a fresh block of torch's pinned allocator (triton_heuristics'
+    copy_args_to_cpu_if_needed) and drops it, and that allocator keeps the block for the
+    life of the process: 1 GiB, 0.78 B/param, at 1.3B and 16k tokens on the H200
+    (bench/train.py's watch of the allocator named the autotuner). The streamer calls this
+    as each region's gradients leave during the first backward: the autotuner runs at a
+    kernel's first launch, and given back then the block is gone before the optimizer's
+    moments exist, so it does not add to the step's host peak. Blocks with copies still
+    queued are not freed (the allocator checks their events), so no sync is needed; the
+    check is a stats read, and the free (cudaFreeHost) happens only when there is
+    something to free."""
+    if cached_pinned_bytes() <= 0:
+        return False
+    torch._C._host_emptyCache()
+    return True
+
+
 def release_cached_pinned_blocks(device: torch.device | None = None) -> None:
-    """Give torch's cached, unused page-locked blocks back to the system (blocks in use are
-    untouched). Why: Inductor's autotuner, benchmarking a backward kernel that writes one of
-    its inputs where cloning the input on the device would raise the peak, parks it in a
-    fresh block of torch's pinned allocator (triton_heuristics' copy_args_to_cpu_if_needed)
-    and drops it, and that allocator keeps the block for the life of the process: 1 GiB,
-    0.78 B/param, at 1.3B and 16k tokens on the H200 (2026-12-04, bench/train.py's watch of
-    the allocator named the autotuner). The streamer calls this once, after the first
-    backward, when autotuning is over. `device` is synchronized first: a freed block is
-    reusable only once the copies queued on it completed, and the host runs ahead of the
-    GPU. Then a garbage collection: one of two such blocks stayed in use even after the
-    sync (H200, session 9) with nothing of ours holding it, and a reference cycle through a
-    caught exception's frame is the likely holder; to be confirmed by bench/train.py's
-    `pinned_holders`."""
+    """`release_unused_pinned_blocks` after a device sync (a block freed with copies still
+    queued is reusable only once they complete) and a garbage collection (a block whose
+    tensor only a reference cycle holds): the streamer's backstop at the end of the first
+    backward. On the H200 (session 10) a block that stayed in use after this was held by
+    bench/train.py's own watch of the allocator (it kept the other threads' frames)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
         torch.cuda.synchronize(device)
         gc.collect()
-        torch._C._host_emptyCache()
+        release_unused_pinned_blocks()
 
 
 _registered: dict[int, int] = {}  # start address -> end address of ranges page_locked() holds

@@ -40,7 +40,7 @@ from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
-from .host_store import is_page_locked, release_cached_pinned_blocks
+from .host_store import is_page_locked, release_cached_pinned_blocks, release_unused_pinned_blocks
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError
 from ..optim.registry import owner_of
@@ -497,6 +497,8 @@ class Streamer:
         self._region_seen[region] += 1
         if self._region_seen[region] == self._expect_region[region]:
             del self._region_seen[region]  # the next backward counts afresh
+            if self.cuda and not self._autotune_pins_released:
+                release_unused_pinned_blocks()  # what autotuning this region's kernels left
             pids = self._ready.pop(region, [])
             if not pids and not self._slabs.is_open(region) and (backlog is None or not backlog.holds(region)):
                 return  # all of the region's gradients went through the ring
@@ -882,7 +884,7 @@ class Streamer:
                 p.out.copy_(p.staged)
         self._pending.clear()
         if self.cuda and not self._autotune_pins_released:
-            self._autotune_pins_released = True  # what the first backward's autotuning left
+            self._autotune_pins_released = True  # the first backward's autotuning is over
             release_cached_pinned_blocks(self.device)
         self.end_step()
 

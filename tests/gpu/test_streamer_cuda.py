@@ -60,10 +60,12 @@ def test_homed_masters_are_page_locked_without_power_of_two_rounding():
 
 
 @pytest.mark.skipif(not hasattr(torch.cuda, "host_memory_stats"), reason="torch has no host_memory_stats")
-def test_first_backward_gives_back_what_the_pinned_allocator_caches_unused():
+def test_first_backward_gives_back_what_the_pinned_allocator_caches_unused(monkeypatch):
     """Blocks torch's pinned allocator caches but nobody uses (Inductor's autotuner leaves
-    one, 1 GiB at 1.3B, in the first backward) go back to the system when the first
-    backward ends; a pinned tensor still in use keeps its block and its bytes."""
+    one, 1 GiB at 1.3B, in the first backward) go back to the system as soon as the first
+    region's gradients have left, before the optimizer's moments grow (so they do not add
+    to the host peak), not only when the backward ends; a pinned tensor still in use keeps
+    its block and its bytes."""
     from megatrain.models import Llama, LlamaConfig
 
     kept = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8).pin_memory()
@@ -73,12 +75,23 @@ def test_first_backward_gives_back_what_the_pinned_allocator_caches_unused():
     cached = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     assert cached >= (64 << 20) + (1 << 20), cached  # the dropped block is still held
 
+    after_each_region = []
+    release = streamer_mod.release_unused_pinned_blocks
+
+    def watched():
+        freed = release()
+        after_each_region.append(torch.cuda.host_memory_stats()["allocated_bytes.current"])
+        return freed
+
+    monkeypatch.setattr(streamer_mod, "release_unused_pinned_blocks", watched)
     torch._dynamo.reset()
     cfg = LlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=4, ffn=128)
     step = torch.compile(Llama(cfg), backend="megatrain", options={"device": "cuda", "lowering": "eager"})
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     step(ids, labels=ids).backward()
 
+    assert after_each_region, "no region handed gradients out"
+    assert after_each_region[0] <= cached - (64 << 20), (cached, after_each_region)
     held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     assert held <= cached - (64 << 20), (cached, held)
     assert torch.equal(kept, expected)

@@ -89,33 +89,32 @@ def page_locked_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
-def cached_pinned_bytes() -> int:
-    """Bytes torch's pinned allocator holds in blocks no tensor uses (0 without CUDA)."""
+def pinned_allocator_bytes() -> int:
+    """Bytes torch's pinned allocator holds: blocks in use, cached, or freed with copies
+    whose completion it has not checked yet (0 without CUDA)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()
             and hasattr(torch.cuda, "host_memory_stats")):
         return 0
-    stats = torch.cuda.host_memory_stats()
-    return stats.get("allocated_bytes.current", 0) - stats.get("active_bytes.current", 0)
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
 
 
-def release_unused_pinned_blocks() -> bool:
-    """Give torch's cached, unused page-locked blocks back to the system, if it holds any;
-    True if it did. Why: Inductor's autotuner, benchmarking a backward kernel that writes
-    one of its inputs where cloning the input on the device would raise the peak, parks it
-    in a fresh block of torch's pinned allocator (triton_heuristics'
-    copy_args_to_cpu_if_needed) and drops it, and that allocator keeps the block for the
-    life of the process: 1 GiB, 0.78 B/param, at 1.3B and 16k tokens on the H200
-    (bench/train.py's watch of the allocator named the autotuner). The streamer calls this
-    as each region's gradients leave during the first backward: the autotuner runs at a
-    kernel's first launch, and given back then the block is gone before the optimizer's
-    moments exist, so it does not add to the step's host peak. Blocks with copies still
-    queued are not freed (the allocator checks their events), so no sync is needed; the
-    check is a stats read, and the free (cudaFreeHost) happens only when there is
-    something to free."""
-    if cached_pinned_bytes() <= 0:
-        return False
-    torch._C._host_emptyCache()
-    return True
+def release_unused_pinned_blocks() -> None:
+    """Give torch's cached, unused page-locked blocks back to the system. Why: Inductor's
+    autotuner, benchmarking a backward kernel that writes one of its inputs where cloning
+    the input on the device would raise the peak, parks it in a fresh block of torch's
+    pinned allocator (triton_heuristics' copy_args_to_cpu_if_needed) and drops it, and that
+    allocator keeps the block for the life of the process: 1 GiB, 0.78 B/param, at 1.3B
+    and 16k tokens on the H200 (bench/train.py's watch of the allocator named the
+    autotuner). The streamer calls this as each region's gradients leave during the first
+    backward: the autotuner runs at a kernel's first launch, and given back then the
+    block is gone before the optimizer's moments exist, so it does not add to the step's
+    host peak. Not gated on the allocator's "active" bytes: a block freed with copies
+    queued on it counts as active until an allocation or an empty-cache checks their
+    events (so such a gate never fires; H200, session 10). Blocks whose copies have not
+    completed are kept, so no sync is needed; with nothing to free, the empty-cache only
+    queries those events."""
+    if pinned_allocator_bytes() > 0:
+        torch._C._host_emptyCache()
 
 
 def release_cached_pinned_blocks(device: torch.device | None = None) -> None:

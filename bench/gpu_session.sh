@@ -6,10 +6,10 @@
 #   bash bench/gpu_session.sh
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  at 16k tokens, megatrain with region slabs and with the gradient ring of
-#                  128 MiB chunks (as many bytes in flight as the slabs; issue 4); a megatrain child
-#                  takes ~2.5 min at 1.3B: probe, build, page-locking, compile); "" skips
-#   TRAIN_TIMEOUT  s per train run (default 330)
+#                  at 16k tokens, megatrain with and without the backlog beside resident
+#                  compiled, the side-by-side A/B issue 6 needs; a megatrain child takes ~2.5
+#                  min at 1.3B: probe, build, page-locking, compile); "" skips
+#   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
 #                  updates + gradient ring; the zoo, all passed, is left out); "" skips
@@ -31,12 +31,12 @@ trap 'exit 143' TERM
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,megatrain+grad-ring=128MiB --steps 4"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,megatrain+backlog,resident-compiled --steps 4"
 while IFS= read -r run; do
   [ -z "$run" ] && continue
   echo "== bench/train.py $run"
   # shellcheck disable=SC2086
-  timeout "${TRAIN_TIMEOUT:-330}" python bench/train.py --out "$OUT/train.jsonl" $run 2>&1 \
+  timeout "${TRAIN_TIMEOUT:-540}" python bench/train.py --out "$OUT/train.jsonl" $run 2>&1 \
     | grep -v '^{' | grep -v '^\[' | tail -25
 done <<< "${TRAIN_RUNS-$default_run}"
 

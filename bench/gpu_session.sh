@@ -31,7 +31,7 @@ trap 'exit 143' TERM
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems megatrain,megatrain+backlog,resident-compiled --steps 4"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+backlog --steps 4"
 while IFS= read -r run; do
   [ -z "$run" ] && continue
   echo "== bench/train.py $run"

@@ -61,7 +61,8 @@ HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf
 # ~18 B/param at 1.3B (baseline row, RSS less the CUDA context). megatrain: fp32 master, m,
 # v (12 B) plus gradient slabs: 12.5-13 predicted in NOTES.md (17.4 measured before the
 # pinned-rounding fixes), so the check is a floor: passing it does not promise a fit.
-HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "megatrain": 13}
+# ZeRO-3 offload: fp32 master, m, v and gradients (16 B) plus the bf16 parameters it offloads.
+HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "zero3-offload": 18, "megatrain": 13}
 # megatrain --grad-ring without a size: the chunk size (4 chunks: 256 MiB of host memory for
 # gradients). A size picks another: --grad-ring=128MiB, or the variant megatrain+grad-ring=128MiB.
 GRAD_RING_CHUNK = "64MiB"
@@ -166,6 +167,52 @@ def _oom_line(kind: str, e: BaseException, args) -> str:
                 f"{n / 1e9:.3g} G params = {GPU_STATE_BYTES_PER_PARAM * n / g:.1f} GiB")
     return (f"{args.system}: out of GPU memory in {_phase} ({asked}peak allocated "
             f"{torch.cuda.max_memory_allocated(device) / g:.1f} GiB of {total / g:.1f} GiB; {need})")
+
+
+def _zero3_offload(model, batch: int, cuda: bool):
+    """DeepSpeed ZeRO-3 at world size 1 with parameters and optimizer state offloaded to
+    pinned host memory (ZeRO-Infinity's CPU offload): bf16 compute, fp32 master weights and
+    AdamW moments in DeepSpeed's CPU Adam, the same learning rate and weight decay as the
+    other systems, per-layer checkpointing. Returns (engine, optimizer shim, backward): the
+    engine runs backward and the step itself (gradient partitioning and offload hooks)."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise SystemExit(f"deepspeed is not importable here ({e}); carry its wheels to run it "
+                         "(bench/results/NOTES.md, session 10, says which)")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29534"), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    _checkpoint_layers(model)
+    config = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+        },
+        # torch.optim.AdamW's defaults but the rate, as the other systems here use
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                  "weight_decay": 0.01}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    class EngineStep:
+        """opt.step() / opt.zero_grad() for the bench's loop: the engine's step zeroes."""
+
+        def step(self):
+            engine.step()
+
+        def zero_grad(self, set_to_none: bool = True):
+            pass
+
+    return engine, EngineStep(), engine.backward
 
 
 def _checkpoint_layers(model) -> None:
@@ -445,6 +492,7 @@ def run_system(args) -> dict:
     flops_per_token = model_flops_per_token(model, args.seq)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
+    backward = torch.Tensor.backward  # DeepSpeed's engine runs its own (zero3-offload)
     if args.system in ("resident-compiled", "resident", "eager"):
         model = model.to(device)
         _checkpoint_layers(model)
@@ -465,11 +513,8 @@ def run_system(args) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step_fn, to_device = model, True
     elif args.system == "zero3-offload":
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError as e:
-            raise SystemExit(f"deepspeed is not importable here ({e}); carry its wheel to run it")
-        raise SystemExit("zero3-offload: deepspeed imports, but this bench has no ZeRO-3 driver yet")
+        step_fn, opt, backward = _zero3_offload(model, batch, cuda)
+        to_device = True
     elif args.system == "megatrain":
         import megatrain
 
@@ -515,7 +560,7 @@ def run_system(args) -> dict:
             if compiling:  # weights homed, the forward compiled; no optimizer state yet
                 mark("first_forward")
             _phase = f"step {i} backward" + (" (compiling)" if compiling else "")
-            loss.backward()
+            backward(loss)
             t2 = time.perf_counter()
             if compiling:  # the backward compiled, gradients through the slabs
                 mark("first_backward")
@@ -688,12 +733,14 @@ def _child(args, argv, system: str, layers: int | None = None) -> dict:
     if layers:
         cmd += ["--layers", str(layers)]  # argparse keeps the last: one depth per child
     try:
+        # the repo first; a PYTHONPATH already set (carried wheels: deepspeed) stays after it
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+                           env={**os.environ, "PYTHONPATH": path})
     except subprocess.TimeoutExpired:
         return {"system": system, "error": f"timed out after {args.timeout} s"}
-    if r.returncode == 0:
-        return json.loads(r.stdout.strip().splitlines()[-1])
+    if r.returncode == 0:  # the row is the last JSON line (libraries may print after it)
+        return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     print(r.stderr[-3000:], file=sys.stderr)
     return {"system": system, "error": _error_text(r.stderr, r.returncode)}
 

@@ -15,6 +15,9 @@
 #                  updates + gradient ring; the zoo, all passed, is left out); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 200)
 #   MEGATRAIN_COMMIT  recorded in the rows
+#   WHEELS         a folder of carried wheels installed first (--target /tmp/site, on
+#                  PYTHONPATH): DeepSpeed and what it needs for zero3-offload (NOTES.md,
+#                  session 10); e.g. WHEELS=$PWD/.whl before cd-ing into the unpacked tree
 # The device tool brings back at most 8 files from $OUT: on exit (also when a `timeout`
 # around this script ends it), everything but the rows and logs goes into one extras.tgz.
 # Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD` to
@@ -28,6 +31,11 @@ pack() {
 }
 trap pack EXIT
 trap 'exit 143' TERM
+if [ -n "${WHEELS:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl 2>&1 | tail -3
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 

@@ -598,8 +598,13 @@ class Streamer:
 
     def _hand_over_chunk(self, chunk) -> None:
         """On the hand-off thread: once the chunk's copies are done (one stream, in order:
-        the last piece's event), give its pieces to their optimizers, wait until they are
-        consumed, and give the chunk back to the ring."""
+        the last piece's event), give its pieces to their optimizers and go on; the chunk
+        returns to the ring when they have consumed it. Pipelined, unlike a region slab's
+        hand-off: the optimizer's FIFO already holds the next chunk's work while it updates
+        this one, instead of idling while this thread wakes up to submit it (a ring makes
+        ~80 hand-offs a step at 1.3B, against 26 regions). wait_handoffs waits for the
+        updates and re-raises their errors."""
+        futures = []
         try:
             done = chunk.pieces[-1][3]
             if done is not None:
@@ -608,11 +613,31 @@ class Streamer:
             for p, start, view, _ in chunk.pieces:
                 opt = owner_of(p)
                 by_owner.setdefault(id(opt), (opt, []))[1].append((p, start, view))
-            futures = [opt.submit_pieces(items) for opt, items in by_owner.values()]
-            for f in futures:
-                f.result()
+            for opt, items in by_owner.values():
+                futures.append(opt.submit_pieces(items))
         finally:
+            self._release_chunk_after(chunk, futures)
+            with self._lock:
+                self._handoffs.extend(futures)
+
+    def _release_chunk_after(self, chunk, futures: list) -> None:
+        """Give `chunk` back to the ring once every one of `futures` is done (failed ones
+        too: an error is re-raised by wait_handoffs, and the ring must not run dry)."""
+        if not futures:
             self._ring.release(chunk)
+            return
+        left = [len(futures)]
+        lock = threading.Lock()
+
+        def one_done(_future) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._ring.release(chunk)
+
+        for f in futures:
+            f.add_done_callback(one_done)
 
     def _pump(self) -> None:
         """Send backlogged regions to the host while slabs are free, earliest deadline

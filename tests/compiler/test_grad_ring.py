@@ -120,6 +120,41 @@ def test_ring_stays_exact_when_updates_wait_for_step(case):
     assert torch.equal(ring["params"], slabs["params"]) and ring["losses"] == slabs["losses"]
 
 
+def test_ring_submits_the_next_chunk_while_the_optimizer_updates_one(monkeypatch):
+    """The hand-off does not wait for a chunk's update before it submits the next, so the
+    optimizer's FIFO never idles between chunks: the first update holds until a second
+    submission arrives (the old serial hand-off would make it wait out the timeout); then
+    every chunk still comes back and the results stay the slabs'."""
+    torch.manual_seed(3)
+    model = llama(layers=2)
+    batches = random_batches(VOCAB, 2, batch=2, seq=16)
+    slabs = train(model, batches, None)
+
+    submitted, overlapped = [], []
+    second = threading.Event()
+    submit, apply = megatrain.AdamW.submit_pieces, megatrain.AdamW._apply_pieces
+
+    def counting_submit(self, pieces):
+        submitted.append(len(pieces))
+        if len(submitted) == 2:
+            second.set()
+        return submit(self, pieces)
+
+    def held_apply(self, work, hypers):
+        if not overlapped:
+            overlapped.append(second.wait(timeout=10))
+        return apply(self, work, hypers)
+
+    monkeypatch.setattr(megatrain.AdamW, "submit_pieces", counting_submit)
+    monkeypatch.setattr(megatrain.AdamW, "_apply_pieces", held_apply)
+    ring = train(model, batches, CHUNK)
+    assert overlapped == [True], "the second chunk waited for the first chunk's update"
+    assert len(submitted) > 2
+    (s,) = ring["streamers"]
+    assert len(s._ring._free) == s._ring.allocated, "a chunk never came back"
+    assert torch.equal(ring["params"], slabs["params"]) and ring["losses"] == slabs["losses"]
+
+
 def test_ring_with_a_graph_break_inside_the_layer_loop():
     """One layer graph run for every layer: each run's parameters travel with their
     pieces; the embedding and head, handed in by two graphs, take the p.grad path."""

@@ -208,7 +208,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
                               opts.prefetch, opts.offload,
-                              fused=opts.lowering == "inductor" and opts.device.type == "cuda")
+                              fused=opts.lowering == "inductor" and opts.device.type == "cuda",
+                              keep_weights=opts.keep_weights)
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count

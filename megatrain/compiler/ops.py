@@ -128,6 +128,18 @@ def _(token, flat, streamer, region):
     return None
 
 
+@torch.library.custom_op("megatrain::keep", mutates_args=("token",))
+def keep(token: Tensor, flat: Tensor, streamer: int, region: int) -> None:
+    # The forward's last use of a region whose weights the plan keeps for its backward:
+    # the streamer holds `flat` (still counted against the budget) for that backward's wait.
+    _s(streamer).keep(region, flat)
+
+
+@keep.register_fake
+def _(token, flat, streamer, region):
+    return None
+
+
 @torch.library.custom_op("megatrain::prefetch_next", mutates_args=("token",))
 def prefetch_next(token: Tensor, streamer: int, phase: str) -> None:
     # After the graph's last region is resident: fetch the first region of the graph that
@@ -176,6 +188,7 @@ GRAD_TO_OPTIMIZER = torch.ops.megatrain.grad_to_optimizer.default
 PREFETCH = torch.ops.megatrain.prefetch.default
 WAIT = torch.ops.megatrain.wait.default
 EVICT = torch.ops.megatrain.evict.default
+KEEP = torch.ops.megatrain.keep.default
 PREFETCH_NEXT = torch.ops.megatrain.prefetch_next.default
 DRAIN = torch.ops.megatrain.drain.default
 OFFLOAD = torch.ops.megatrain.offload.default

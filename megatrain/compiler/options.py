@@ -84,6 +84,13 @@ class Options:
         (runtime/grad_ring.py): host memory for gradients becomes 4 x grad_chunk, not
         2 x the embedding's fp32 gradient (0.52 GB at 1.3B, 4.2 GB at Llama-3-8B). Same
         results, bitwise. Default None (region slabs) until measured on the GPU.
+    keep_weights: let the planner keep the forward's weight buffers of the regions whose
+        backward comes first on the device for that backward, as many as fit gpu_memory
+        beside the chosen schedule, instead of fetching them a second time: each saves its
+        weights' PCIe bytes and a read of their fp32 masters from host memory, which bounds
+        the step at 1.3B (bench/results/NOTES.md). Same results, bitwise (the masters do
+        not change between a forward and its backward). Default False until measured on
+        the GPU.
     """
 
     device: torch.device
@@ -96,6 +103,7 @@ class Options:
     backlog: bool = False
     offload: bool = True
     grad_chunk: int | None = None
+    keep_weights: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -181,9 +189,15 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} with backlog=True: the backlog holds "
                 f"and sends whole regions through region slabs; drop one of the two")
+    keep_weights = options.get("keep_weights", False)
+    if not isinstance(keep_weights, bool):
+        raise MegatrainValueError(
+            f"keep_weights={keep_weights!r}: give True (the forward's weights of the regions "
+            f"whose backward comes first stay on the device for it, where the budget has room) "
+            f"or False")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
-                   backlog=backlog, offload=offload, grad_chunk=grad_chunk)
+                   backlog=backlog, offload=offload, grad_chunk=grad_chunk, keep_weights=keep_weights)
 
 
 def _parse_kernels(value) -> tuple[str, ...] | None:

@@ -11,6 +11,8 @@ After (each planned Transfer, in the planner's order, at its anchor):
     w = aten.view(aten.slice(flat, 0, 0, 4096), [64, 64])
     mm = aten.mm(x, aten.t(w))
     megatrain.evict(token, flat, 7, 2)                           # after the last use
+                                                  # (megatrain.keep: the plan keeps it for
+                                                  # the backward, whose wait takes it)
     megatrain.prefetch(token, [...], 7, 4)
     ...
     megatrain.prefetch_next(token, 7, "forward")               # after the last region's wait
@@ -108,8 +110,10 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
             _replace_fetches(graph, fs, flats[region], layouts[region], fake)
         elif t.kind == "evict":
             place(t, lambda: graph.call_function(ops.EVICT, (token, flats[region], streamer, region)))
+        elif t.kind == "keep":
+            place(t, lambda: graph.call_function(ops.KEEP, (token, flats[region], streamer, region)))
         else:
-            raise ValueError(f"insert_transfers materialises prefetch/wait/evict, not {t.kind!r}")
+            raise ValueError(f"insert_transfers materialises prefetch/wait/evict/keep, not {t.kind!r}")
         sched.events.append(f"{t.kind}({region})")
     left = [r for r, fs in fetches.items() if r not in flats]
     if left:

@@ -12,7 +12,10 @@ The task graph (`networkx.DiGraph`), per micro-batch and step:
     compute(i, fw) -> offload(i) -> offload_wait(i)                 boundary output to host
     restore(i) -> reload(i) -> compute(first bw consumer of i)     ... and back in backward
     prefetch(r) -> h2d(r) -> compute(r, bw) -> free(r)            weights again (recompute+bw;
-                                                                   those its backward reads)
+                                                                   those its backward reads;
+                                                                   a kept region: keep(r) for
+                                                                   the forward's free, and
+                                                                   compute(r, bw) -> free(r))
     compute(o, bw) -> d2h(o) -> grad_wait(o); d2h(o) -> host_acc / host_step(o)
     host_step(o, step s) -> h2d(r, fw, step s+1) for every r reading o's weights
 (a forward-only problem, `training=False`, has the first line alone)
@@ -34,6 +37,9 @@ priority only picks among orders with equal start times. Because the candidate s
 every peak are independent of budget and rates, and a fixed graph's longest path only
 shrinks when tasks get shorter, more budget or faster links can never predict a slower
 step: a heuristic free to reorder streams would lose that (list-scheduling anomalies).
+With `PlannerOptions.keep`, a post-pass then lets the chosen schedule keep the forward
+weights of as many regions as fit for their backward (`_with_kept`: their second fetch
+goes); that claim covers the search, not the post-pass.
 """
 
 from __future__ import annotations
@@ -290,6 +296,19 @@ class _Shape:
         fetches = collections.Counter(w for ph in self.phases for ws in self.reads[ph].values() for w in ws)
         self.copy_bytes = {o: sum(fetches[w] * self.weight[w].h2d_bytes + self.weight[w].d2h_bytes for w in ws)
                            for o, ws in self.owned.items()}
+        # Regions whose forward weights may stay on the device for their backward: training,
+        # the backward reads the same weights, and no other region reads them (a weight read
+        # by two regions is fetched for each). Soonest-needed first: first in backward.
+        readers: dict[int, set[int]] = collections.defaultdict(set)
+        for ph in ("fw", "bw"):
+            for r, ws in self.reads[ph].items():
+                for w in ws:
+                    readers[w].add(r)
+        self.keepable = tuple(sorted(
+            (r for r in self.fw if p.training and self.reads["fw"][r]
+             and set(self.reads["bw"][r]) == set(self.reads["fw"][r])
+             and all(readers[w] == {r} for w in self.reads["fw"][r])),
+            key=pb.__getitem__)) if "bw" in self.phases else ()
         n = len(self.fw)
         # Offload candidates, longest-lived first: a kept output lives from its forward to
         # its last backward consumer, so those produced early and read late cost the most.
@@ -315,6 +334,9 @@ class PlanConfig:
     release_lag: computes between a copy-out's issue and the op that waits for it and
         frees the device buffer (gradients, offloaded activations).
     offloaded: regions whose boundary output goes to pinned host between the passes.
+    kept: regions whose forward weights stay on the device for their backward (no second
+        fetch; `_Shape.keepable`): the buffer lives from the forward's prefetch to the
+        backward's free, outside the slot rotation.
     """
 
     slots: int
@@ -322,6 +344,7 @@ class PlanConfig:
     reload_lead: int
     release_lag: int
     offloaded: frozenset = frozenset()
+    kept: frozenset = frozenset()
 
     def __post_init__(self):
         if not isinstance(self.slots, int) or self.slots < 1:
@@ -336,7 +359,8 @@ class PlanConfig:
     def describe(self) -> str:
         lead = "asap" if self.weight_lead is None else f"<= {self.weight_lead} ahead"
         return (f"{self.slots} slot(s), prefetch {lead}, reload {self.reload_lead} ahead, "
-                f"release lag {self.release_lag}, {len(self.offloaded)} activation(s) offloaded")
+                f"release lag {self.release_lag}, {len(self.offloaded)} activation(s) offloaded"
+                + (f", {len(self.kept)} region(s)' weights kept for the backward" if self.kept else ""))
 
 
 class Task(NamedTuple):
@@ -348,7 +372,7 @@ class Task(NamedTuple):
 
 
 STREAMS = ("compute", "h2d", "d2h", "host")
-STREAM_OF = {"prefetch": "compute", "compute": "compute", "free": "compute",
+STREAM_OF = {"prefetch": "compute", "compute": "compute", "free": "compute", "keep": "compute",
              "restore": "compute", "offload_wait": "compute", "grad_wait": "compute",
              "h2d": "h2d", "reload": "h2d", "offload": "d2h", "d2h": "d2h",
              "host_acc": "host", "host_step": "host"}
@@ -384,7 +408,7 @@ def _program(sh: _Shape, cfg: PlanConfig, steps: int, memory_only: bool = False)
         for m in range(micro):
             _instance(sh, cfg, m, s, prog, memory_only)
     if not memory_only:
-        _side_streams(sh, prog, micro, steps)
+        _side_streams(sh, prog, micro, steps, cfg.kept)
     return prog
 
 
@@ -401,19 +425,37 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
         issues: list[list] = [[] for _ in range(n + 1)]
         wr = [r for r in order if sh.reads[ph][r]]
         k = cfg.slots
+        kept = cfg.kept
+        # The slot rotation: regions whose weights are fetched and freed in this pass. A kept
+        # region's forward buffer is its own (issued where its place in the rotation would
+        # issue it), and its backward has no fetch, only the free after its compute.
+        rotating = [r for r in wr if r not in kept]
+        slot_index = {r: j for j, r in enumerate(rotating)}
         for j, r in enumerate(wr):
             p = pos[r]
-            g = 0 if j < k else pos[wr[j - k]] + 1
+            if ph == "bw" and r in kept:
+                frees[p + 1].append(((p, r), Task("free", r, ph, m, s)))
+                continue
+            if r in kept:
+                g = 0 if j < k else pos[wr[j - k]] + 1
+            else:
+                i = slot_index[r]
+                g = 0 if i < k else pos[rotating[i - k]] + 1
             if cfg.weight_lead is not None:
                 g = max(g, p - cfg.weight_lead)
             pf = Task("prefetch", r, ph, m, s)
-            fr = Task("free", r, ph, m, s)
             issues[g].append(((p, 0, r), pf))
+            if r in kept:  # forward, kept: its buffer goes in the backward, after its compute
+                frees[p + 1].append(((p, r), Task("keep", r, ph, m, s)))
+                prog.buffers.append(Buffer(("weights", r, ph, m, s), sh.wbytes[ph][r], pf,
+                                           Task("free", r, "bw", m, s)))
+                continue
+            fr = Task("free", r, ph, m, s)
             frees[p + 1].append(((p, r), fr))
-            prog.slot_of[pf] = j % k
+            prog.slot_of[pf] = slot_index[r] % k
             prog.buffers.append(Buffer(("weights", r, ph, m, s), sh.wbytes[ph][r], pf, fr))
-            if j >= k and not memory_only:
-                prog.slot.append((Task("free", wr[j - k], ph, m, s), pf))
+            if slot_index[r] >= k and not memory_only:
+                prog.slot.append((Task("free", rotating[slot_index[r] - k], ph, m, s), pf))
         if ph == "fw":
             for i in offl:
                 g = min(n, max(pos[i] + L, pos[sh.last_fw_consumer[i]]) + 1)
@@ -510,7 +552,7 @@ class _PeakCurve:
         return best, best_at
 
 
-def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int) -> None:
+def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int, kept: frozenset = frozenset()) -> None:
     """Copies and host work in issue order (CUDA streams and the host worker are FIFO),
     with their data edges."""
     data = prog.data
@@ -529,7 +571,8 @@ def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int) -> None:
             data.append((h, Task("compute", sh.first_bw_consumer[t.region], "bw", t.micro, t.step)))
         elif kind == "compute":
             if sh.reads[t.phase][t.region]:
-                data.append((t, Task("free", t.region, t.phase, t.micro, t.step)))
+                kept_fw = t.phase == "fw" and t.region in kept
+                data.append((t, Task("keep" if kept_fw else "free", t.region, t.phase, t.micro, t.step)))
             if t.phase == "fw":
                 wait = Task("offload_wait", t.region, "fw", t.micro, t.step)
                 if wait in offload_waits:
@@ -695,8 +738,10 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
     for o, ws in sh.owned.items():
         out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].d2h_bytes for w in ws), link["bw"].d2h)
         numel = sum(sh.weight[w].numel for w in ws)
-        out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, sh.copy_bytes[o])
-        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, sh.copy_bytes[o])
+        # a kept region (its weights are its own) is fetched once: no backward fetch
+        copy = sh.copy_bytes[o] - (sh.link_bytes["bw"][o] if o in cfg.kept else 0)
+        out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, copy)
+        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, copy)
     return out
 
 
@@ -819,6 +864,10 @@ def _simulate(problem: Problem, config: PlanConfig, rates: Rates, steps: int) ->
     stray = sorted(set(config.offloaded) - set(sh.offloadable))
     if stray:
         raise ValueError(f"regions {stray} cannot be offloaded: no other region reads their output")
+    stray = sorted(set(config.kept) - set(sh.keepable))
+    if stray:
+        raise ValueError(f"regions {stray} cannot keep their weights for the backward: it reads "
+                         "other weights, another region reads theirs, or there is no backward")
     if steps < 1:
         raise ValueError(f"steps={steps}: simulate at least one step")
     prog = _program(sh, config, steps)
@@ -849,6 +898,8 @@ class PlannerOptions:
 
     offload: whether boundary outputs may go to host memory between the passes (False
     while the runtime has no activation offload: every output stays on the device).
+    keep: whether regions may keep their forward weights for their backward where the
+        budget has room beside the chosen schedule (`_with_kept`).
     """
 
     max_slots: int = 3
@@ -856,6 +907,7 @@ class PlannerOptions:
     release_lags: tuple[int, ...] = (0, 1)
     steps: int = 2
     offload: bool = True
+    keep: bool = False
 
 
 @dataclass
@@ -955,14 +1007,45 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
         key = (sched.step_time, sched.peak_bytes, i)
         if best is None or key < best[0]:
             best = (key, sched)
-    return Plan(best[1], budget, len(fits), symbolic, tuple(fits), _env(dims, problem.free_symbols))
+    chosen, simulated = best[1], len(fits)
+    if options.keep and sh.keepable:
+        cfg = _with_kept(sh, chosen.config, budget)
+        if cfg.kept:
+            sched = _simulate(concrete, cfg, rates, options.steps)
+            simulated += 1
+            fits.append(cfg)
+            if sched.step_time <= chosen.step_time:
+                chosen = sched
+    return Plan(chosen, budget, simulated, symbolic, tuple(fits), _env(dims, problem.free_symbols))
+
+
+def _with_kept(sh: _Shape, cfg: PlanConfig, budget: int) -> PlanConfig:
+    """`cfg` with the most regions keeping their forward weights for the backward (the
+    soonest needed first, `_Shape.keepable`) whose peak still fits `budget`. Each kept
+    region saves a fetch of its weights: PCIe bytes and, for the host optimizer's memory
+    bandwidth, a read of its masters; it costs device memory from its forward to its
+    backward. Peaks grow with the count, so a binary search; the result is checked."""
+    def fits(n: int) -> bool:
+        trial = replace(cfg, kept=frozenset(sh.keepable[:n]))
+        return program_peak(_program(sh, trial, 1, memory_only=True), sh.problem.base_bytes)[0] <= budget
+
+    lo, hi = 0, len(sh.keepable)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    while lo and not fits(lo):
+        lo -= 1
+    return replace(cfg, kept=frozenset(sh.keepable[:lo]))
 
 
 # --------------------------------------------------------------------------------------
 # From a schedule to the FX pass's event lists
 # --------------------------------------------------------------------------------------
 
-WEIGHT_KINDS = ("prefetch", "wait", "evict")
+WEIGHT_KINDS = ("prefetch", "wait", "evict", "keep")
 ACTIVATION_KINDS = ("offload", "offload_wait", "reload", "reload_wait")
 
 
@@ -979,7 +1062,7 @@ class RegionUse:
 class Transfer:
     """One compute-stream op of the schedule, anchored to a node position of an FX graph."""
 
-    kind: str  # "prefetch" | "wait" | "evict" (and, in GraphEvents.*_all, the others)
+    kind: str  # "prefetch" | "wait" | "evict" | "keep" (and, in GraphEvents.*_all, the others)
     region: int
     anchor: int  # node position; -1 means "at graph start"
     after: bool  # insert after the anchor (True) or before it (False)
@@ -1051,7 +1134,7 @@ def graph_events(schedule: Schedule, forward_uses: list[RegionUse], backward_use
                 if ph == "fw" and r in schedule.config.offloaded:
                     events.append(Transfer("offload", r, *anchor))
                 continue
-            kind = {"prefetch": "prefetch", "free": "evict", "restore": "reload",
+            kind = {"prefetch": "prefetch", "free": "evict", "keep": "keep", "restore": "reload",
                     "offload_wait": "offload_wait", "grad_wait": "grad_wait"}[t.kind]
             events.append(Transfer(kind, t.region, *anchor))
         out[ph] = events

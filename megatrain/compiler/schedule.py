@@ -46,14 +46,16 @@ class StepSchedule:
 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
-                  offload: bool = True, fused: bool = False) -> StepSchedule:
+                  offload: bool = True, fused: bool = False, keep_weights: bool = False) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
     `offload`: boundary activations may wait in host memory between the passes; `fused`:
-    Inductor lowers the graphs (problem.py counts its fused kernels' working sets)."""
+    Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
+    `keep_weights`: regions may keep their forward weights for their backward."""
     sp = build_problem(fw, bw, params, device, dtype, fused)
     rates = compile_rates(device)
     plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
-                     options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None))
+                     options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None,
+                                            keep=keep_weights and bw is not None))
     validate(plan.schedule, budget)
     events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
     wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))

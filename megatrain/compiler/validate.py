@@ -7,6 +7,8 @@ planner beyond the data classes. Invariants:
 
 - every compute runs after the h2d of the weights its pass reads completed, between
   their prefetch and evict, with its inputs resident (kept, or reloaded after their offload);
+  a region whose forward weights the config keeps for its backward may keep them, and its
+  backward fetches nothing and runs while their buffer lives;
 - no weight slot holds two regions at once, and at most `config.slots` slots exist;
 - every buffer lives over a span of the compute stream; the peak walked from them equals
   the schedule's claim and fits the budget;
@@ -144,7 +146,9 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         r, ph, m, st = c.region, c.phase, c.micro, c.step
         spec = f.spec[r]
         # weights
-        if f.fetched[ph][r]:
+        if f.fetched[ph][r] and r in s.config.kept:
+            out += _kept_weights(f, s, c, get, pos, start, end, buffers)
+        elif f.fetched[ph][r]:
             wkey = ("weights", r, ph, m, st)
             h, pf, ev = get("h2d", r, ph, m, st), get("prefetch", r, ph, m, st), get("free", r, ph, m, st)
             if h is None or pf is None or ev is None:
@@ -214,9 +218,9 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         for (a0, a1, ta), (b0, b1, tb) in zip(iv, iv[1:]):
             if b0 <= a1:
                 out.append(f"slot {slot} holds region {ta.region} and region {tb.region} at once")
-    prefetches = [t for t in seq if t.kind == "prefetch"]
+    prefetches = [t for t in seq if t.kind == "prefetch" and t.region not in s.config.kept]
     if set(prefetches) != set(s.slot_of):
-        out.append("every prefetch needs exactly one slot")
+        out.append("every prefetch needs exactly one slot (a kept region's forward fetch none)")
 
     # -- peak ---------------------------------------------------------------------------
     delta_a: dict = {}
@@ -281,6 +285,38 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
                 for t in fetches.get((r, st + 1), ()):
                     if start[t] + _EPS < end[h]:
                         out.append(f"step {st + 1} fetches region {r} before weight {w}'s host step")
+    return out
+
+
+def _kept_weights(f: _Facts, s: Schedule, c, get, pos, start, end, buffers) -> list[str]:
+    """A region that keeps its forward weights for its backward: it may (its backward reads
+    exactly those weights, which no other region reads), its forward fetches them (prefetch,
+    h2d done before the compute, keep after it), its backward fetches nothing, and one
+    buffer holds them from the forward's prefetch until the backward's free, after it."""
+    r, ph, m, st = c.region, c.phase, c.micro, c.step
+    out = []
+    own = set(f.fetched["fw"][r])
+    others = {w for q in f.fw if q != r for p in ("fw", "bw") for w in f.fetched[p][q]}
+    if set(f.fetched["bw"][r]) != own or own & others or "bw" not in s.problem.phases:
+        return [f"{c}: region {r} keeps weights it may not (read by another region, or not "
+                "the ones its backward reads)"]
+    pf, h, kp = get("prefetch", r, "fw", m, st), get("h2d", r, "fw", m, st), get("keep", r, "fw", m, st)
+    fr = get("free", r, "bw", m, st)
+    if pf is None or h is None or kp is None or fr is None:
+        return [f"{c}: missing the forward's prefetch/h2d/keep or the backward's free of its kept weights"]
+    if ph == "fw":
+        if end[h] > start[c] + _EPS:
+            out.append(f"{c} starts before its weights' h2d completed")
+        if not pos[pf] < pos[c] < pos[kp]:
+            out.append(f"{c} is not between its weights' prefetch and keep")
+    else:
+        if get("prefetch", r, "bw", m, st) is not None or get("h2d", r, "bw", m, st) is not None:
+            out.append(f"{c}: fetches the weights its forward kept")
+        if not pos[kp] < pos[c] < pos[fr]:
+            out.append(f"{c} is not between its forward's keep and its free")
+    b = buffers.get(("weights", r, "fw", m, st))
+    if b is None or b.nbytes != f.region_bytes["fw"][r] or b.alloc != pf or b.free != fr:
+        out.append(f"{c}: kept weight buffer missing, mis-sized or not spanning forward prefetch..backward free")
     return out
 
 

@@ -171,6 +171,11 @@ class Streamer:
         self.pool = DevicePool(budget)
         self.cuda = device.type == "cuda"
         self._inflight: dict[int, collections.deque[_Inflight]] = collections.defaultdict(collections.deque)
+        # Forward weight buffers the plan keeps for their region's backward (keep -> wait),
+        # and each region's host parameters as last prefetched (a backward wait that finds
+        # neither a fetch nor a kept buffer fetches them then: see wait).
+        self._kept: dict[int, torch.Tensor] = {}
+        self._host_params: dict[int, list[torch.Tensor]] = {}
         self._pending: list[_PendingGrad] = []
         self._layouts: dict[tuple, FlatLayout] = {}
         self.stats = StepStats()
@@ -227,6 +232,9 @@ class Streamer:
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
         self._phase, self._awaiting_first = "forward", True
+        for flat in self._kept.values():  # kept by a forward whose backward never ran
+            self.pool.release(flat.numel() * flat.element_size())
+        self._kept.clear()
         if self.device_updates is not None:
             self.device_updates.abandon()
         self.stats = StepStats()
@@ -254,6 +262,7 @@ class Streamer:
         return param.detach().to(self.device, self.compute_dtype, copy=True)
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
+        self._host_params[region] = host_params
         if self._awaiting_first:
             self._first[self._phase] = (region, list(host_params))
             self._awaiting_first = False
@@ -416,7 +425,19 @@ class Streamer:
     def wait(self, region: int, numel: int) -> torch.Tensor:
         queue = self._inflight[region]
         if not queue:
-            raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
+            kept = self._kept.pop(region, None)
+            if kept is not None:  # the forward's buffer: same master, same bits
+                assert kept.numel() == numel, (kept.numel(), numel)
+                if self.cuda:  # the region's compute starts now (stats.computes)
+                    now = torch.cuda.Event(enable_timing=True)
+                    now.record(torch.cuda.current_stream(self.device))
+                    self._computing[region] = now
+                return kept
+            if region not in self._host_params:
+                raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
+            # A kept buffer that a later forward dropped (two forwards before their
+            # backwards): fetch it now, unscheduled, rather than fail.
+            queue.append(self._start_fetch(region, self._host_params[region]))
         entry = queue.popleft()
         assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
         if self.cuda:
@@ -436,6 +457,15 @@ class Streamer:
 
     def evict(self, region: int, flat: torch.Tensor) -> None:
         self.pool.release(flat.numel() * flat.element_size())
+        self._note_compute_end(region)
+
+    def keep(self, region: int, flat: torch.Tensor) -> None:
+        """The forward is done with `flat`; the plan keeps it for the region's backward,
+        whose wait takes it (its bytes stay counted until that backward's evict)."""
+        self._kept[region] = flat
+        self._note_compute_end(region)
+
+    def _note_compute_end(self, region: int) -> None:
         started = self._computing.pop(region, None)
         if started is not None:  # the region's compute: from its weights' arrival to here
             evicted = torch.cuda.Event(enable_timing=True)

@@ -59,6 +59,25 @@ def test_steps_stay_within_the_predicted_peak(lowering, offload):
     assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)
 
 
+@pytest.mark.parametrize("lowering", ["inductor", "eager"])
+def test_kept_weights_stay_within_the_predicted_peak(lowering):
+    """keep_weights, under a budget that has room for only some regions' forward weights
+    beside the plan: the kept buffers live from the forward to the backward, and every
+    step still allocates no more than the plan predicted."""
+    batches = random_batches(512, 3, batch=4, seq=512)
+    step, opt = _compiled({"offload": False}, "eager")
+    _train(step, opt, batches[:1])
+    plain = megatrain.explain(step).graphs[0].schedule.plan
+    layer_weights = max(w.nbytes for w in plain.schedule.problem.weights if w.numel < 512 * 128)
+    budget = plain.peak_bytes + 2 * layer_weights  # room for a few layers' weights, not all
+
+    step, opt = _compiled({"gpu_memory": budget, "offload": False, "keep_weights": True}, lowering)
+    peaks = _train(step, opt, batches)
+    plan = megatrain.explain(step).graphs[0].schedule.plan
+    assert 0 < len(plan.config.kept) < CONFIG.layers, plan.config
+    assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)
+
+
 def test_eager_lowering_frees_its_inputs_on_entry_and_runs_without_boxed_codegen(monkeypatch):
     """The boxed graph clears the caller's list (its inputs can die at their last use);
     where torch.fx has no boxed codegen, the unboxed fallback still computes the same."""

@@ -116,6 +116,9 @@ def problems(draw, max_regions: int = 10, min_regions: int = 1):
 budget_factors = st.one_of(st.floats(0.3, 1.0), st.just(1.0), st.floats(1.0, 1.5), st.floats(1.0, 4.0))
 SMALL = PlannerOptions(max_slots=2, reload_leads=(0, 1), release_lags=(0, 1))
 OPTIONS = st.sampled_from([SMALL, PlannerOptions()])
+# keep=True adds a post-pass to the chosen schedule (planner._with_kept): plans stay valid
+# and within budget, but "more budget never predicts a slower step" is claimed without it.
+VALID_OPTIONS = st.sampled_from([SMALL, PlannerOptions(), PlannerOptions(keep=True)])
 
 
 def plan_or_none(problem, budget, rates, options):
@@ -153,7 +156,7 @@ def check_plan(problem, factor, rates, options):
 
 
 @budget_settings(1000)
-@given(problem=problems(), factor=budget_factors, rates=rates_st, options=OPTIONS)
+@given(problem=problems(), factor=budget_factors, rates=rates_st, options=VALID_OPTIONS)
 def test_plans_pass_the_validator_or_no_schedule_fits(problem, factor, rates, options):
     check_plan(problem, factor, rates, options)
 
@@ -192,12 +195,17 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
     """Not only the planner's pick: any point of the search space is a valid schedule."""
     offloadable = [r.id for r in problem.regions if any(r.id in c.inputs for c in problem.regions)] \
         if problem.training else []
+    from megatrain.compiler.planner import _Shape
+
+    keepable = _Shape(problem).keepable
     cfg = PlanConfig(slots=data.draw(st.integers(1, 4)),
                      weight_lead=data.draw(st.one_of(st.none(), st.integers(0, 3))),
                      reload_lead=data.draw(st.integers(0, 3)),
                      release_lag=data.draw(st.integers(0, 3)),
                      offloaded=frozenset(data.draw(st.lists(st.sampled_from(offloadable), unique=True)))
-                     if offloadable else frozenset())
+                     if offloadable else frozenset(),
+                     kept=frozenset(data.draw(st.lists(st.sampled_from(keepable), unique=True)))
+                     if keepable else frozenset())
     sched = simulate(problem, cfg, rates, steps=data.draw(st.integers(1, 3)))
     validate(sched, sched.peak_bytes)
     assert sched.peak_bytes >= min_budget(problem)
@@ -393,3 +401,34 @@ def test_many_random_chains_stay_valid_quickly():
                           flops=[rng.randint(0, 10**13) for _ in range(n)], work_bw=10**7)
         budget = int(min_budget(p) * rng.uniform(1, 3))
         validate(plan_step(p, budget, H200, options=SMALL).schedule, budget)
+
+
+def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
+    """A chain of 4 layers with their own weights and a head tied to the embedding: with
+    room, every layer keeps its forward weights (not the tied pair, which two regions
+    read); the backward fetches only the head; each kept buffer lives from the forward's
+    prefetch to the backward's free, so the peak grows by what is kept beside the
+    plain plan, and the predicted step is no slower, the host reading fewer masters."""
+    from megatrain.compiler.planner import _Shape
+
+    MB = 1 << 20
+    w = [Weight(0, 8 * MB, MB)] + [Weight(i, 4 * MB, MB // 2) for i in range(1, 5)]
+    regions = [RegionSpec(0, (0,), (), 2 * MB, 2 * MB, 2 * MB, 10**9, bw_weights=())]  # a lookup
+    regions += [RegionSpec(i, (i,), (i - 1,), 2 * MB, 2 * MB, 2 * MB, 10**12) for i in range(1, 5)]
+    regions += [RegionSpec(5, (0,), (4,), 2 * MB, 4 * MB, 4 * MB, 10**12)]
+    problem = Problem(tuple(regions), tuple(w))
+    assert _Shape(problem).keepable == (4, 3, 2, 1)
+    plain = plan_step(problem, 1 << 40, H200, options=PlannerOptions())
+    kept = plan_step(problem, 1 << 40, H200, options=PlannerOptions(keep=True))
+    validate(kept.schedule, 1 << 40)
+    assert kept.config.kept == {1, 2, 3, 4}
+    bw_fetches = {t.region for t in kept.schedule.streams["h2d"] if t.phase == "bw"}
+    assert bw_fetches == {5}
+    assert kept.step_time <= plain.step_time
+    assert kept.peak_bytes > plain.peak_bytes
+    # A budget between the two: fewer regions kept, the soonest needed (region 4) first.
+    mid = plan_step(problem, (plain.peak_bytes + kept.peak_bytes) // 2, H200, options=PlannerOptions(keep=True))
+    assert 0 < len(mid.config.kept) < 4 and 4 in mid.config.kept
+    assert mid.peak_bytes <= (plain.peak_bytes + kept.peak_bytes) // 2
+    with pytest.raises(ValueError, match="cannot keep"):
+        simulate(problem, PlanConfig(2, None, 0, 1, kept=frozenset({5})), H200)

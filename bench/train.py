@@ -440,6 +440,8 @@ def _megatrain_stats(step_fn) -> dict:
         return sum(s.event_seconds(pairs) for s in stats)
 
     return {"predicted_step_s": plan.predicted_step_s,
+            # regions whose forward weights the plans keep for the backward (keep_weights)
+            "kept_regions": sum(len(s.config.kept) for s in schedules),
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
@@ -533,6 +535,8 @@ def run_system(args) -> dict:
             options["grad_chunk"] = args.grad_ring
         if args.no_offload:
             options["offload"] = False
+        if args.keep_weights:
+            options["keep_weights"] = True
         if args.kernels:
             options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -656,6 +660,7 @@ def run_system(args) -> dict:
         "backlog": args.backlog if args.system == "megatrain" else None,
         "grad_chunk": args.grad_ring if args.system == "megatrain" else None,
         "offload": not args.no_offload if args.system == "megatrain" else None,
+        "keep_weights": args.keep_weights if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if sweep:
@@ -775,6 +780,9 @@ def main(argv=None) -> int:
     p.add_argument("--grad-ring", nargs="?", const=GRAD_RING_CHUNK, default=None, metavar="SIZE",
                    help=f"megatrain: compile option grad_chunk=SIZE (default {GRAD_RING_CHUNK!r}): "
                         "gradients cross in a ring of fixed-size chunks instead of two region slabs")
+    p.add_argument("--keep-weights", action="store_true",
+                   help="megatrain: compile option `keep_weights` (the backward reuses the forward's "
+                        "weights where the budget has room; variant megatrain+keep-weights)")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")

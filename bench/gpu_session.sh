@@ -12,7 +12,7 @@
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
-#                  updates + gradient ring; the zoo, all passed, is left out); "" skips
+#                  updates + gradient ring + kept weights; the zoo, all passed, is left out); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 200)
 #   MEGATRAIN_COMMIT  recorded in the rows
 #   WHEELS         a folder of carried wheels installed first (--target /tmp/site, on
@@ -48,7 +48,7 @@ while IFS= read -r run; do
     | grep -v '^{' | grep -v '^\[' | tail -25
 done <<< "${TRAIN_RUNS-$default_run}"
 
-default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py"
+default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py tests/gpu/test_keep_weights_cuda.py"
 IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
 for i in "${!groups[@]}"; do
   # eval: a group may quote its arguments (-k 'a or b')

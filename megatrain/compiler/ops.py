@@ -140,6 +140,18 @@ def _(token, flat, streamer, region):
     return None
 
 
+@torch.library.custom_op("megatrain::claim", mutates_args=("token",))
+def claim(token: Tensor, host_params: list[Tensor], streamer: int, region: int) -> None:
+    # In a backward, for a region the plan keeps: take the forward's buffer if it holds
+    # these parameters (else fetch them), for the wait that follows.
+    _s(streamer).claim(region, host_params)
+
+
+@claim.register_fake
+def _(token, host_params, streamer, region):
+    return None
+
+
 @torch.library.custom_op("megatrain::prefetch_next", mutates_args=("token",))
 def prefetch_next(token: Tensor, streamer: int, phase: str) -> None:
     # After the graph's last region is resident: fetch the first region of the graph that
@@ -189,6 +201,7 @@ PREFETCH = torch.ops.megatrain.prefetch.default
 WAIT = torch.ops.megatrain.wait.default
 EVICT = torch.ops.megatrain.evict.default
 KEEP = torch.ops.megatrain.keep.default
+CLAIM = torch.ops.megatrain.claim.default
 PREFETCH_NEXT = torch.ops.megatrain.prefetch_next.default
 DRAIN = torch.ops.megatrain.drain.default
 OFFLOAD = torch.ops.megatrain.offload.default

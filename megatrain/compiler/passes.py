@@ -12,7 +12,8 @@ After (each planned Transfer, in the planner's order, at its anchor):
     mm = aten.mm(x, aten.t(w))
     megatrain.evict(token, flat, 7, 2)                           # after the last use
                                                   # (megatrain.keep: the plan keeps it for
-                                                  # the backward, whose wait takes it)
+                                                  # the backward, where megatrain.claim
+                                                  # takes it just before the wait)
     megatrain.prefetch(token, [...], 7, 4)
     ...
     megatrain.prefetch_next(token, 7, "forward")               # after the last region's wait
@@ -72,6 +73,7 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
         token.meta["val"] = torch.empty(0, dtype=torch.uint8, device=device)
 
     flats: dict[int, fx.Node] = {}
+    prefetched: set[int] = set()
     after_cursor: dict[int, fx.Node] = {-1: token}
 
     def place(t: Transfer, make) -> None:
@@ -104,8 +106,13 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
         if t.kind == "prefetch":
             host = [f.args[0] for f in fs]
             place(t, lambda: graph.call_function(ops.PREFETCH, (token, host, streamer, region)))
+            prefetched.add(region)
             sched.prefetch_count += 1
         elif t.kind == "wait":
+            if region not in prefetched:  # a backward region whose forward kept its weights
+                host = [f.args[0] for f in fs]
+                place(t, lambda: graph.call_function(ops.CLAIM, (token, host, streamer, region)))
+                sched.events.append(f"claim({region})")
             place(t, lambda: wait(region))
             _replace_fetches(graph, fs, flats[region], layouts[region], fake)
         elif t.kind == "evict":

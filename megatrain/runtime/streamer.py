@@ -124,6 +124,7 @@ class StepStats:
     cuda_peak: int | None = None
     cuda_base: int = 0
     regions_fetched: list = field(default_factory=list)
+    kept_hits: int = 0  # backward regions that took their forward's kept weights (claim)
     early_hits: int = 0  # first regions found already fetched by the graph before
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     slab_wait_s: float = 0.0  # host time blocked for a free gradient slab (optimizer behind)
@@ -171,10 +172,11 @@ class Streamer:
         self.pool = DevicePool(budget)
         self.cuda = device.type == "cuda"
         self._inflight: dict[int, collections.deque[_Inflight]] = collections.defaultdict(collections.deque)
-        # Forward weight buffers the plan keeps for their region's backward (keep -> wait),
-        # and each region's host parameters as last prefetched (a backward wait that finds
-        # neither a fetch nor a kept buffer fetches them then: see wait).
-        self._kept: dict[int, torch.Tensor] = {}
+        # Forward weight buffers the plan keeps for their region's backward, with the host
+        # parameters they hold (keep -> claim -> wait), and each region's host parameters
+        # as last prefetched (what keep records).
+        self._kept: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._claimed: dict[int, torch.Tensor] = {}
         self._host_params: dict[int, list[torch.Tensor]] = {}
         self._pending: list[_PendingGrad] = []
         self._layouts: dict[tuple, FlatLayout] = {}
@@ -232,7 +234,7 @@ class Streamer:
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
         self._phase, self._awaiting_first = "forward", True
-        for flat in self._kept.values():  # kept by a forward whose backward never ran
+        for flat, _ in self._kept.values():  # kept by a forward whose backward has not run
             self.pool.release(flat.numel() * flat.element_size())
         self._kept.clear()
         if self.device_updates is not None:
@@ -424,20 +426,16 @@ class Streamer:
 
     def wait(self, region: int, numel: int) -> torch.Tensor:
         queue = self._inflight[region]
+        claimed = self._claimed.pop(region, None)
+        if claimed is not None:  # the forward's buffer (claim): same master, same bits
+            assert claimed.numel() == numel, (claimed.numel(), numel)
+            if self.cuda:  # the region's compute starts now (stats.computes)
+                now = torch.cuda.Event(enable_timing=True)
+                now.record(torch.cuda.current_stream(self.device))
+                self._computing[region] = now
+            return claimed
         if not queue:
-            kept = self._kept.pop(region, None)
-            if kept is not None:  # the forward's buffer: same master, same bits
-                assert kept.numel() == numel, (kept.numel(), numel)
-                if self.cuda:  # the region's compute starts now (stats.computes)
-                    now = torch.cuda.Event(enable_timing=True)
-                    now.record(torch.cuda.current_stream(self.device))
-                    self._computing[region] = now
-                return kept
-            if region not in self._host_params:
-                raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
-            # A kept buffer that a later forward dropped (two forwards before their
-            # backwards): fetch it now, unscheduled, rather than fail.
-            queue.append(self._start_fetch(region, self._host_params[region]))
+            raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
         entry = queue.popleft()
         assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
         if self.cuda:
@@ -461,9 +459,29 @@ class Streamer:
 
     def keep(self, region: int, flat: torch.Tensor) -> None:
         """The forward is done with `flat`; the plan keeps it for the region's backward,
-        whose wait takes it (its bytes stay counted until that backward's evict)."""
-        self._kept[region] = flat
+        which claims it (its bytes stay counted until that backward's evict)."""
+        self._kept[region] = (flat, self._host_params[region])
         self._note_compute_end(region)
+
+    def claim(self, region: int, host_params: list[torch.Tensor]) -> None:
+        """The backward of a region the plan keeps, in place of its prefetch: take the
+        forward's buffer if it holds these very parameters; else fetch them now. Else
+        happens when dynamo runs one graph for several modules (a graph break inside a
+        layer loop: every layer's forward runs before the backwards, and each forward
+        gives back the previous one's kept buffer), and the plan's memory is then that of
+        fetching twice, which it also fits."""
+        kept = self._kept.pop(region, None)
+        if kept is not None and len(kept[1]) == len(host_params) \
+                and all(a is b for a, b in zip(kept[1], host_params)):
+            self._claimed[region] = kept[0]
+            self.stats.kept_hits += 1
+            early = self._early.pop(region, None)  # fetched ahead when a fallback went first
+            if early is not None:
+                self._discard(early[0])
+            return
+        if kept is not None:  # another module's weights
+            self.pool.release(kept[0].numel() * kept[0].element_size())
+        self.prefetch(region, host_params)
 
     def _note_compute_end(self, region: int) -> None:
         started = self._computing.pop(region, None)

@@ -44,6 +44,7 @@ def test_kept_weights_train_bitwise_like_fetching_twice(tied, lowering):
     bw_fetched = {int(e[len("prefetch("):-1]) for e in graph.backward_events if e.startswith("prefetch(")}
     assert not bw_fetched & layers
     assert sum(e.startswith("keep(") for e in graph.forward_events) == len(layers)
+    assert graph.streamer.last_stats.kept_hits == len(layers)  # taken, not fetched again
 
 
 def test_kept_weights_with_accumulation_and_clipping():
@@ -91,3 +92,23 @@ def test_keep_weights_option_is_checked():
     with pytest.raises(MegatrainValueError, match="keep_weights='yes'"):
         torch.compile(llama(False), backend="megatrain", options={"device": "cpu", "keep_weights": "yes"})(
             torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_kept_weights_with_a_graph_run_for_every_layer():
+    """A graph break inside the layer loop: dynamo compiles one layer's graph and runs it
+    for every layer, so its forwards all run before the backwards, each module with its
+    own weights. A backward takes a kept buffer only if it holds its own module's weights
+    (else it fetches them); results equal fetching twice."""
+    from .helpers import breaking_llama
+
+    torch.manual_seed(3)
+    model = breaking_llama("inside the layer loop", LlamaConfig(
+        vocab_size=VOCAB, hidden=64, layers=3, heads=4, kv_heads=2, ffn=176, rope_theta=10000.0,
+        tie_embeddings=False))
+    batches = random_batches(VOCAB, 2, batch=2, seq=16)
+    with pytest.warns(UserWarning, match="graph break"):
+        kept = train_megatrain(model, batches, options(True))
+        twice = train_megatrain(model, batches, options(False))
+    assert torch.equal(kept["params"], twice["params"]) and kept["losses"] == twice["losses"]
+    graphs = megatrain.explain(kept["step"]).graphs
+    assert any(g.schedule.plan.config.kept for g in graphs if g.schedule is not None)

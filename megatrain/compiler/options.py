@@ -168,16 +168,10 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"updates={updates!r}: use one of {UPDATES} (where each region's megatrain.AdamW "
             f"update runs: chosen by the cost model, always the host, or the compute device)")
-    backlog = options.get("backlog", False)
-    if not isinstance(backlog, bool):
-        raise MegatrainValueError(
-            f"backlog={backlog!r}: give True (keep gradients on the device while the host "
-            f"optimizer catches up, updated earliest deadline first) or False")
-    offload = options.get("offload", True)
-    if not isinstance(offload, bool):
-        raise MegatrainValueError(
-            f"offload={offload!r}: give True (boundary activations may wait in host memory "
-            f"between the passes when the plan needs it) or False")
+    backlog = _flag(options, "backlog", False, "keep gradients on the device while the host "
+                    "optimizer catches up, updated earliest deadline first")
+    offload = _flag(options, "offload", True, "boundary activations may wait in host memory "
+                    "between the passes when the plan needs it")
     grad_chunk = options.get("grad_chunk")
     if grad_chunk is not None:
         grad_chunk = parse_bytes(grad_chunk, "grad_chunk")
@@ -189,15 +183,19 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} with backlog=True: the backlog holds "
                 f"and sends whole regions through region slabs; drop one of the two")
-    keep_weights = options.get("keep_weights", False)
-    if not isinstance(keep_weights, bool):
-        raise MegatrainValueError(
-            f"keep_weights={keep_weights!r}: give True (the forward's weights of the regions "
-            f"whose backward comes first stay on the device for it, where the budget has room) "
-            f"or False")
+    keep_weights = _flag(options, "keep_weights", False, "the forward's weights of the regions "
+                         "whose backward comes first stay on the device for it, where the budget has room")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
                    backlog=backlog, offload=offload, grad_chunk=grad_chunk, keep_weights=keep_weights)
+
+
+def _flag(options: dict, name: str, default: bool, meaning: str) -> bool:
+    """A boolean option; anything else is refused with what True means."""
+    value = options.get(name, default)
+    if not isinstance(value, bool):
+        raise MegatrainValueError(f"{name}={value!r}: give True ({meaning}) or False")
+    return value
 
 
 def _parse_kernels(value) -> tuple[str, ...] | None:

@@ -1,5 +1,6 @@
-"""Two CUDA training runs of the same model that must agree: the check the runtime options'
-GPU tests share (backlog, gradient ring, kept weights against their plain run).
+"""Two CUDA training runs of the same model that must agree: how the runtime options' GPU
+tests run them and check them (backlog, gradient ring, device updates, kept weights against
+their plain run).
 
 Tolerance: both runs do the same math, but CUDA reductions with atomics are not
 deterministic run to run (~1e-7 relative from step 2), which AdamW amplifies where
@@ -9,6 +10,15 @@ moves parameters by ~lr = 3e-3. Each parameter must also have moved (it trained)
 from __future__ import annotations
 
 import torch
+
+from ..compiler.helpers import train_megatrain
+
+
+def train_fp32_on_cuda(model, batches, **options):
+    """Three fp32 steps of a copy of `model` through the backend on CUDA with megatrain.AdamW
+    and `options`: (trained parameters, losses, the first graph's plan)."""
+    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", **options})
+    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
 
 
 def assert_runs_agree(model, params, reference, losses, reference_losses, loss_rtol=1e-5,

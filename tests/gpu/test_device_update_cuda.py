@@ -31,6 +31,8 @@ import megatrain.optim as mo
 from megatrain.runtime.host_store import home_parameters, is_page_locked
 from megatrain.runtime.layout import FlatLayout
 
+from .compare import train_fp32_on_cuda
+
 pytestmark = pytest.mark.gpu
 
 PARAM_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -179,14 +181,6 @@ def test_cuda_refusals():
     assert not any(opt.state.values()) and not opt._final
 
 
-def _train_cuda(model, updates: str, batches):
-    """Three fp32 steps through the backend on CUDA with megatrain.AdamW."""
-    from ..compiler.helpers import train_megatrain
-
-    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", "updates": updates})
-    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
-
-
 @pytest.mark.usefixtures("no_tf32")
 def test_backend_device_updates_match_host_updates_on_cuda():
     """The streaming runtime with every region's AdamW on the GPU (gradients kept there,
@@ -209,8 +203,8 @@ def test_backend_device_updates_match_host_updates_on_cuda():
     model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688,
                               rope_theta=10000.0, tie_embeddings=False))
     batches = random_batches(512, 3, batch=2, seq=64)
-    dev, dev_losses, plan = _train_cuda(model, "device", batches)
-    host, host_losses, host_plan = _train_cuda(model, "host", batches)
+    dev, dev_losses, plan = train_fp32_on_cuda(model, batches, updates="device")
+    host, host_losses, host_plan = train_fp32_on_cuda(model, batches, updates="host")
     assert set(plan.update_sites.values()) == {"device"} and len(plan.update_sites) == 3 + 2
     assert plan.streamer.device_updates.launched == 3 * 5
     assert set(host_plan.update_sites.values()) == {"host"}

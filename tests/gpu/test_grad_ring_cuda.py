@@ -15,15 +15,10 @@ import torch
 
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import random_batches, train_megatrain
-from .compare import assert_runs_agree
+from ..compiler.helpers import random_batches
+from .compare import assert_runs_agree, train_fp32_on_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
-
-
-def _train(model, batches, grad_chunk):
-    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", "grad_chunk": grad_chunk})
-    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
 
 
 def test_ring_matches_region_slabs_on_cuda():
@@ -32,8 +27,8 @@ def test_ring_matches_region_slabs_on_cuda():
                               rope_theta=10000.0, tie_embeddings=False))
     batches = random_batches(512, 3, batch=2, seq=64)
     # 192 KiB chunks: the 512 x 256 embedding (512 KiB) and each MLP weight are cut
-    ring, ring_losses, plan = _train(model, batches, 192 << 10)
-    slabs, slab_losses, _ = _train(model, batches, None)
+    ring, ring_losses, plan = train_fp32_on_cuda(model, batches, grad_chunk=192 << 10)
+    slabs, slab_losses, _ = train_fp32_on_cuda(model, batches, grad_chunk=None)
     s = plan.streamer
     assert s._ring.allocated <= 4 and s._slabs.allocated == 0, "every gradient took the ring"
     assert plan.measured_peak_bytes <= plan.budget

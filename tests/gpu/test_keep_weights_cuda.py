@@ -14,15 +14,10 @@ import torch
 
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import random_batches, train_megatrain
-from .compare import assert_runs_agree
+from ..compiler.helpers import random_batches
+from .compare import assert_runs_agree, train_fp32_on_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
-
-
-def _train(model, batches, keep):
-    out = train_megatrain(model, batches, {"device": "cuda", "precision": "fp32", "keep_weights": keep})
-    return [p.detach().clone() for p in out["model"].parameters()], out["losses"], out["plan"]
 
 
 def test_kept_weights_match_fetching_twice_on_cuda():
@@ -30,8 +25,8 @@ def test_kept_weights_match_fetching_twice_on_cuda():
     model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, ffn=688,
                               rope_theta=10000.0, tie_embeddings=False))
     batches = random_batches(512, 3, batch=2, seq=64)
-    kept, kept_losses, plan = _train(model, batches, True)
-    twice, twice_losses, _ = _train(model, batches, False)
+    kept, kept_losses, plan = train_fp32_on_cuda(model, batches, keep_weights=True)
+    twice, twice_losses, _ = train_fp32_on_cuda(model, batches, keep_weights=False)
     assert len(plan.schedule.plan.config.kept) >= 4, plan.schedule.plan.config
     assert plan.measured_peak_bytes <= plan.budget
     assert_runs_agree(model, kept, twice, kept_losses, twice_losses)

@@ -103,6 +103,18 @@ def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=F
                 plan=megatrain.explain(step).graphs[0], step=step)
 
 
+SMALL_VOCAB = 160
+
+
+def small_llama_config(layers: int = 3, tied: bool = False):
+    """The runtime options' CPU tests' Llama: 64 wide, vocab SMALL_VOCAB, ~0.3 M parameters,
+    small enough to compile in seconds, with every kind of region (embedding, layers, head)."""
+    from megatrain.models import LlamaConfig
+
+    return LlamaConfig(vocab_size=SMALL_VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
+                       rope_theta=10000.0, tie_embeddings=tied)
+
+
 def breaking_llama(where: str, config):
     """A Llama whose head is tied to the embedding by hand (F.linear with its weight), with a
     graph break `where`: "inside the layer loop" (after layer 1: dynamo compiles the layer's

@@ -16,15 +16,16 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.models import Llama, LlamaConfig
+from megatrain.models import Llama
 from megatrain.optim import engine
 from megatrain.runtime.grad_backlog import EdfQueue, GradBacklog
 from megatrain.runtime.grad_slabs import GradSlabs
 from megatrain.runtime.pool import DevicePool, Reserve
 
-from .helpers import breaking_llama, rel, random_batches, train_eager, train_megatrain
+from .helpers import (SMALL_VOCAB, breaking_llama, rel, random_batches, small_llama_config, train_eager,
+                      train_megatrain)
 
-VOCAB = 160
+VOCAB = SMALL_VOCAB
 
 
 @pytest.fixture(autouse=True)
@@ -120,8 +121,7 @@ def slow_optimizer(monkeypatch):
 
 
 def llama(tied=False, layers=3):
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
-                             rope_theta=10000.0, tie_embeddings=tied))
+    return Llama(small_llama_config(layers, tied))
 
 
 def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **options):
@@ -208,9 +208,7 @@ def test_graph_breaks_with_the_backlog(slow_optimizer, where):
     optimizer cannot defer, backward waits). Either way: bitwise like backlog=False."""
 
     torch.manual_seed(4)
-    model = breaking_llama(where, LlamaConfig(vocab_size=VOCAB, hidden=64, layers=4, heads=4,
-                                              kv_heads=2, ffn=176, rope_theta=10000.0,
-                                              tie_embeddings=False))
+    model = breaking_llama(where, small_llama_config(layers=4))
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         on = train(model, batches, True)

@@ -16,13 +16,13 @@ import torch
 
 import megatrain
 from megatrain.errors import MegatrainValueError
-from megatrain.models import Llama, LlamaConfig
+from megatrain.models import Llama
 from megatrain.optim.functional import PIECE_ALIGN
 from megatrain.runtime.grad_ring import GradRing
 
-from .helpers import breaking_llama, random_batches, train_megatrain
+from .helpers import SMALL_VOCAB, breaking_llama, random_batches, small_llama_config, train_megatrain
 
-VOCAB = 160
+VOCAB = SMALL_VOCAB
 
 
 @pytest.fixture(autouse=True)
@@ -79,8 +79,7 @@ def test_ring_waits_for_a_chunk_when_all_are_out():
 
 
 def llama(tied=False, layers=3):
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
-                             rope_theta=10000.0, tie_embeddings=tied))
+    return Llama(small_llama_config(layers, tied))
 
 
 def train(model, batches, grad_chunk, **kw):
@@ -159,9 +158,7 @@ def test_ring_with_a_graph_break_inside_the_layer_loop():
     """One layer graph run for every layer: each run's parameters travel with their
     pieces; the embedding and head, handed in by two graphs, take the p.grad path."""
     torch.manual_seed(2)
-    model = breaking_llama("inside the layer loop", LlamaConfig(
-        vocab_size=VOCAB, hidden=64, layers=3, heads=4, kv_heads=2, ffn=176, rope_theta=10000.0,
-        tie_embeddings=False))
+    model = breaking_llama("inside the layer loop", small_llama_config())
     batches = random_batches(VOCAB, 2, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         ring = train(model, batches, CHUNK)

@@ -13,16 +13,15 @@ import torch
 
 import megatrain
 from megatrain.errors import MegatrainValueError
-from megatrain.models import Llama, LlamaConfig
+from megatrain.models import Llama
 
-from .helpers import flat, random_batches, train_megatrain
+from .helpers import SMALL_VOCAB, breaking_llama, flat, random_batches, small_llama_config, train_megatrain
 
-VOCAB = 160
+VOCAB = SMALL_VOCAB
 
 
 def llama(tied: bool, layers: int = 3) -> Llama:
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
-                             rope_theta=10000.0, tie_embeddings=tied))
+    return Llama(small_llama_config(layers, tied))
 
 
 def options(keep: bool, lowering: str = "eager") -> dict:
@@ -99,12 +98,8 @@ def test_kept_weights_with_a_graph_run_for_every_layer():
     for every layer, so its forwards all run before the backwards, each module with its
     own weights. A backward takes a kept buffer only if it holds its own module's weights
     (else it fetches them); results equal fetching twice."""
-    from .helpers import breaking_llama
-
     torch.manual_seed(3)
-    model = breaking_llama("inside the layer loop", LlamaConfig(
-        vocab_size=VOCAB, hidden=64, layers=3, heads=4, kv_heads=2, ffn=176, rope_theta=10000.0,
-        tie_embeddings=False))
+    model = breaking_llama("inside the layer loop", small_llama_config())
     batches = random_batches(VOCAB, 2, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         kept = train_megatrain(model, batches, options(True))

@@ -15,7 +15,7 @@ import torch
 import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import breaking_llama, flat, rel, random_batches
+from .helpers import breaking_llama, flat, rel, random_batches, small_llama_config
 
 
 def model(tied=True):
@@ -150,8 +150,7 @@ def test_graph_breaks_with_the_optimizer_fast_path(where, micro_batches):
     accumulation, after the last micro-batch only."""
 
     torch.manual_seed(torch.seed() % 2**31)
-    ref = breaking_llama(where, LlamaConfig(vocab_size=160, hidden=64, layers=4, heads=4, kv_heads=2,
-                                            ffn=176, rope_theta=10000.0, tie_embeddings=False))
+    ref = breaking_llama(where, small_llama_config(layers=4))
     streamed = copy.deepcopy(ref)
     # eps=1e-5, not AdamW's 1e-8: an element whose gradient sums to ~eps moves by up to lr
     # on fp32 summation-order noise alone (1 seed in ~30 drove one embedding element 5e-5

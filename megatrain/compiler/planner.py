@@ -1024,7 +1024,8 @@ def _with_kept(sh: _Shape, cfg: PlanConfig, budget: int) -> PlanConfig:
     soonest needed first, `_Shape.keepable`) whose peak still fits `budget`. Each kept
     region saves a fetch of its weights: PCIe bytes and, for the host optimizer's memory
     bandwidth, a read of its masters; it costs device memory from its forward to its
-    backward. Peaks grow with the count, so a binary search; the result is checked."""
+    backward. Peaks grow with the count, so a binary search (which only ever settles on a
+    count it saw fit)."""
     def fits(n: int) -> bool:
         trial = replace(cfg, kept=frozenset(sh.keepable[:n]))
         return program_peak(_program(sh, trial, 1, memory_only=True), sh.problem.base_bytes)[0] <= budget
@@ -1036,8 +1037,6 @@ def _with_kept(sh: _Shape, cfg: PlanConfig, budget: int) -> PlanConfig:
             lo = mid
         else:
             hi = mid - 1
-    while lo and not fits(lo):
-        lo -= 1
     return replace(cfg, kept=frozenset(sh.keepable[:lo]))
 
 

@@ -56,6 +56,16 @@ class _Facts:
         self.producers = {w.id: [r.id for r in p.regions if w.id in r.weights] for w in p.weights} \
             if p.training else {}
         self.bwpos = {r: i for i, r in enumerate(self.bw)}
+        # Regions that may keep their forward weights for their backward: it reads exactly
+        # them, and no other region reads them in either pass.
+        readers: dict[int, set[int]] = {}
+        for by in self.fetched.values():
+            for r, ws in by.items():
+                for w in ws:
+                    readers.setdefault(w, set()).add(r)
+        self.may_keep = {r for r in self.fw if "bw" in p.phases
+                         and set(self.fetched["bw"][r]) == set(self.fetched["fw"][r])
+                         and all(readers[w] == {r} for w in self.fetched["fw"][r])}
         self.fwpos = {r: i for i, r in enumerate(self.fw)}
 
 
@@ -295,9 +305,7 @@ def _kept_weights(f: _Facts, s: Schedule, c, get, pos, start, end, buffers) -> l
     buffer holds them from the forward's prefetch until the backward's free, after it."""
     r, ph, m, st = c.region, c.phase, c.micro, c.step
     out = []
-    own = set(f.fetched["fw"][r])
-    others = {w for q in f.fw if q != r for p in ("fw", "bw") for w in f.fetched[p][q]}
-    if set(f.fetched["bw"][r]) != own or own & others or "bw" not in s.problem.phases:
+    if r not in f.may_keep:
         return [f"{c}: region {r} keeps weights it may not (read by another region, or not "
                 "the ones its backward reads)"]
     pf, h, kp = get("prefetch", r, "fw", m, st), get("h2d", r, "fw", m, st), get("keep", r, "fw", m, st)

@@ -123,7 +123,7 @@ def release_cached_pinned_blocks(device: torch.device | None = None) -> None:
     tensor only a reference cycle holds): the streamer's backstop at the end of the first
     backward. On the H200 (session 10) a block that stayed in use after this was held by
     bench/train.py's own watch of the allocator (it kept the other threads' frames)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+    if pinned_allocator_bytes() > 0:  # else nothing to give back: no sync, no collection
         torch.cuda.synchronize(device)
         gc.collect()
         release_unused_pinned_blocks()

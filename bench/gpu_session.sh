@@ -40,12 +40,16 @@ python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
 default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+backlog --steps 4"
+n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue
+  n=$((n + 1))
   echo "== bench/train.py $run"
+  # the whole output (the pinned watch's stacks too) goes to extras; the log shows the
+  # progress lines and the table, which the stacks used to push out of a plain tail
   # shellcheck disable=SC2086
   timeout "${TRAIN_TIMEOUT:-540}" python bench/train.py --out "$OUT/train.jsonl" $run 2>&1 \
-    | grep -v '^{' | grep -v '^\[' | tail -25
+    | tee "$OUT/train_run$n.out" | grep -v '^{' | grep -v '^ *thread ' | grep -v '^  [a-z0-9+=-]* step [0-9]' | tail -40
 done <<< "${TRAIN_RUNS-$default_run}"
 
 default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py tests/gpu/test_keep_weights_cuda.py"

@@ -743,11 +743,11 @@ def _child(args, argv, system: str, layers: int | None = None) -> dict:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                            env={**os.environ, "PYTHONPATH": path})
     except subprocess.TimeoutExpired:
-        return {"system": system, "error": f"timed out after {args.timeout} s"}
+        return {"system": base, "error": f"timed out after {args.timeout} s"}
     if r.returncode == 0:  # the row is the last JSON line (libraries may print after it)
         return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     print(r.stderr[-3000:], file=sys.stderr)
-    return {"system": system, "error": _error_text(r.stderr, r.returncode)}
+    return {"system": base, "error": _error_text(r.stderr, r.returncode)}
 
 
 def main(argv=None) -> int:

@@ -69,8 +69,11 @@ class Options:
         beyond it backward waits for a slab as without) and send them to the host earliest
         deadline first, the deadline being the region's fetch in the next forward: region 0
         is updated first and the next forward overlaps the remaining updates
-        (megatrain.runtime.grad_backlog). Same results, bitwise. Default False until
-        measured on the GPU.
+        (megatrain.runtime.grad_backlog). Same results, bitwise. Default False: measured on
+        the H200 at 1.3B/16k it made the step 55% slower (0.929 s against 0.601): the
+        step was already at the host-memory bound, and the updates moved into the forward
+        took nearly twice as long beside its weight fetches (bench/results/NOTES.md,
+        session 11).
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
@@ -83,14 +86,18 @@ class Options:
         as it fills, instead of two slabs of the largest region's gradients
         (runtime/grad_ring.py): host memory for gradients becomes 4 x grad_chunk, not
         2 x the embedding's fp32 gradient (0.52 GB at 1.3B, 4.2 GB at Llama-3-8B). Same
-        results, bitwise. Default None (region slabs) until measured on the GPU.
+        results, bitwise. Default None (region slabs): on the H200 at 1.3B/16k 64 MiB
+        chunks lower the host peak from 12.60 to 12.41 bytes per parameter and cost 8% of
+        step time (bench/results/NOTES.md, session 11).
     keep_weights: let the planner keep the forward's weight buffers of the regions whose
         backward comes first on the device for that backward, as many as fit gpu_memory
         beside the chosen schedule, instead of fetching them a second time: each saves its
         weights' PCIe bytes and a read of their fp32 masters from host memory, which bounds
         the step at 1.3B (bench/results/NOTES.md). Same results, bitwise (the masters do
-        not change between a forward and its backward). Default False until measured on
-        the GPU.
+        not change between a forward and its backward). Default False: on the H200 at
+        1.3B/16k it kept 20 regions and cut the H2D bytes from 10.5 to 6.4 GB per step at
+        the same step time (0.592 s against 0.582): the host's updates bound that step,
+        not the link; it is for steps the link bounds (bench/results/NOTES.md, session 11).
     """
 
     device: torch.device

@@ -448,6 +448,10 @@ def _megatrain_stats(step_fn) -> dict:
             "grad_slab_bytes": sum(s._slabs.allocated * s._slabs.slab_bytes for s in streamers),
             "grad_own_buffers": sum(s._slabs.own_buffers for s in streamers),
             "grad_ring_bytes": sum(s._ring.allocated * s._ring.chunk_bytes for s in streamers if s._ring),
+            # the device memory the plan leaves free (device-site updates, the backlog) and
+            # how many regions' gradients waited there over the whole run (backlog=True)
+            "update_reserve_bytes": sum(s.reserve.nbytes for s in streamers if s.reserve is not None),
+            "backlogged_regions_total": sum(s.backlog.backlogged for s in streamers if s.backlog is not None),
             "page_lock_failures": list(host_store.register_failures),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
@@ -880,7 +884,9 @@ def main(argv=None) -> int:
                   f"{r['measured_d2h_s']:.3f} s, weight copies {r['predicted_h2d_s']:.3f}/{r['h2d_busy_s']:.3f} s")
         if r.get("h2d_copy_gbs"):
             print(f"{'':18s} host blocked: on gradient slabs {r.get('slab_wait_s', 0):.3f} s, on host casts "
-                  f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}")
+                  f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}; "
+                  f"reserve beside the plan {r.get('update_reserve_bytes', 0) / 2**30:.2f} GiB, "
+                  f"regions backlogged over the run {r.get('backlogged_regions_total')}")
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         if r.get("host_bytes_per_param_phases"):

@@ -61,9 +61,10 @@ class Options:
         the host, "device" runs every region's update on the compute device where its
         buffers fit the memory the plan leaves free. `megatrain.explain(...)` shows the
         choice (GraphPlan.update_sites). Default "host" until "auto" is measured on the
-        GPU: its cost model counts the link's time but not that the device update's copies
-        (24 B/param) also load host memory, which the H200 profile shows is the step's
-        bottleneck at 1.3B (bench/results/NOTES.md).
+        GPU. Its cost model (megatrain.optim.device_update.update_site) counts both
+        resources a device update loads, the link (12 B/param each way) and host memory
+        (its 24 B/param of DMA), against the host update's 28 B/param plus the gradient's
+        copy; host memory is what bounds the step at 1.3B (bench/results/NOTES.md).
     backlog: when the host optimizer lags behind backward, keep the gradients of regions
         that find no free host slab on the device (within the memory the plan leaves free;
         beyond it backward waits for a slab as without) and send them to the host earliest

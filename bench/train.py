@@ -2,7 +2,8 @@
 
 Every system trains the same Llama shape on the same real tokens (the shipped corpus, byte
 ids) with the same batch; each runs in its own subprocess so memory, pinned pools and
-compile caches never leak between them. A first `probe` child measures, in the same run,
+in-memory compile state never leak between them (Inductor's on-disk cache is shared, so a
+later child compiling the same graphs loads them: compile time only, not step time). A first `probe` child measures, in the same run,
 the bf16 matmul rate at the model's shapes (for MFU), pinned H2D bandwidth and the host's
 fused-AdamW memory bandwidth (for the bound). Reported per system: tokens/s (median step
 after warm-up), model TFLOP/s = (6 N + 12 L H S) T / step (N: matmul parameters, no

@@ -72,9 +72,8 @@ class Options:
         is updated first and the next forward overlaps the remaining updates
         (megatrain.runtime.grad_backlog). Same results, bitwise. Default False: measured on
         the H200 at 1.3B/16k it made the step 55% slower (0.929 s against 0.601): the
-        step was already at the host-memory bound, and the updates moved into the forward
-        took nearly twice as long beside its weight fetches (bench/results/NOTES.md,
-        session 11).
+        step was already at the host-memory bound and the host's update time nearly
+        doubled, for a cause not yet known (bench/results/NOTES.md, session 11).
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The

@@ -4,8 +4,9 @@ Every system trains the same Llama shape on the same real tokens (the shipped co
 ids) with the same batch; each runs in its own subprocess so memory, pinned pools and
 in-memory compile state never leak between them (Inductor's on-disk cache is shared: a
 later child compiling the same graphs loads them, which saves compile time, not step
-time). A first `probe` child measures, in the same run, the bf16 matmul rate at the model's shapes (for MFU), pinned H2D bandwidth and the host's
-fused-AdamW memory bandwidth (for the bound). Reported per system: tokens/s (median step
+time). A first `probe` child measures, in the same run, the bf16 matmul rate at the
+model's shapes (for MFU), pinned H2D bandwidth and the host's fused-AdamW memory bandwidth
+(for the bound). Reported per system: tokens/s (median step
 after warm-up), model TFLOP/s = (6 N + 12 L H S) T / step (N: matmul parameters, no
 embedding; recompute not counted), MFU, peak GPU memory, peak host RSS; for megatrain also
 PCIe GB/s, the compute stream's time stalled on weights and the host time blocked on

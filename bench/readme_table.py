@@ -52,6 +52,17 @@ def layers(row: dict) -> int:
     return row.get("layers") or preset_layers(row["model"])
 
 
+def label(row: dict) -> str:
+    """The system with its variant's flags (megatrain+updates=auto): variants of one system
+    are different rows, never each other's latest."""
+    return row.get("variant") or row["system"]
+
+
+def budget(row: dict) -> str | None:
+    """megatrain's gpu_memory: rows at different budgets are different rows."""
+    return row.get("gpu_memory") if row["system"] == "megatrain" else None
+
+
 def latest(rows: list[dict], key) -> dict:
     """The newest row per key(row): by start time, then by position in the file."""
     out: dict = {}
@@ -65,24 +76,26 @@ def _fmt(value, fmt: str) -> str:
 
 
 def performance_table(rows: list[dict], model: str | None = None) -> str:
-    """The README table: latest row per (model, layers, tokens/step, system)."""
+    """The README table: latest row per (model, layers, tokens/step, system or variant,
+    megatrain's gpu_memory)."""
     if model:
         rows = [r for r in rows if r.get("model") == model]
-    chosen = latest(rows, lambda r: (r["model"], layers(r), r.get("tokens_per_step"), r["system"]))
+    chosen = latest(rows, lambda r: (r["model"], layers(r), r.get("tokens_per_step"), label(r), budget(r)))
     compiled = {(run_key(r), r["model"], layers(r), r.get("tokens_per_step")): r["step_s"]
                 for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     rank = lambda name, names: names.index(name) if name in names else len(names)  # noqa: E731
     order = sorted(chosen.values(), key=lambda r: (rank(r["model"], list(MODELS)), layers(r),
-                                                   r.get("tokens_per_step") or 0, rank(r["system"], SYSTEMS)))
+                                                   r.get("tokens_per_step") or 0, rank(r["system"], SYSTEMS),
+                                                   label(r), budget(r) or ""))
     out = ["| system | model | tokens/step | tok/s | TFLOP/s | MFU | vs resident-compiled "
            "| peak GPU GiB | host RSS GiB | GPU |", "| --- " * 10 + "|"]
     notes, runs = [], {}
     for r in order:
-        system = r["system"] + (f" ({r['gpu_memory']})" if r["system"] == "megatrain" and r.get("gpu_memory") else "")
+        system = label(r) + (f" ({budget(r)})" if budget(r) else "")
         name = r["model"] + ("" if layers(r) == preset_layers(r["model"]) else f" ({layers(r)} layers)")
         head = f"| {system} | {name} | {r.get('tokens_per_step', '-')} "
         if "error" in r:
-            notes.append(f"{len(notes) + 1}. {r['system']}, {name}, {r.get('tokens_per_step')} tokens "
+            notes.append(f"{len(notes) + 1}. {label(r)}, {name}, {r.get('tokens_per_step')} tokens "
                          f"({r.get('time', '?')}): {r['error']}")
             out.append(head + f"| failed ({len(notes)}) | - | - | - | - | - | {r.get('gpu', '-')} |")
             continue
@@ -91,7 +104,7 @@ def performance_table(rows: list[dict], model: str | None = None) -> str:
                    f"| {_fmt(r.get('mfu'), '.2f')} | {_fmt(ref and ref / r['step_s'], '.2f')} "
                    f"| {_fmt(r.get('peak_gpu_gib'), '.1f')} | {_fmt(r.get('host_rss_gib'), '.1f')} "
                    f"| {r.get('gpu', '-')} |")
-        runs.setdefault(run_key(r), (r, []))[1].append(r["system"])
+        runs.setdefault(run_key(r), (r, []))[1].append(label(r))
     out.append("")
     out += [f"Rows of {r.get('time', '?')} (commit {str(r.get('commit', '?'))[:7]}"
             f"{', dirty tree' if r.get('dirty') else ''}): {', '.join(systems)}"
@@ -105,7 +118,7 @@ def depth_table(rows: list[dict], model: str, tokens: int | None, system: str,
                 gpu_memory: str | None) -> str:
     """Issue 6's depth sweep: latest row per layer count; peak GPU memory should stay flat
     (within 10% of the shallowest run) and the time per added layer steady."""
-    rows = [r for r in rows if r["system"] == system and r.get("model") == model and "error" not in r
+    rows = [r for r in rows if label(r) == system and r.get("model") == model and "error" not in r
             and (tokens is None or r.get("tokens_per_step") == tokens)
             and (gpu_memory is None or r.get("gpu_memory") == gpu_memory)]
     chosen = sorted(latest(rows, layers).values(), key=layers)

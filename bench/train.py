@@ -841,6 +841,7 @@ def main(argv=None) -> int:
                 row["variant"] = system
             row.update(model=args.model, layers=row.get("layers") or _config(args.model, layers).layers,
                        tokens_per_step=args.tokens, seq=args.seq, **meta)
+            row.setdefault("gpu_memory", args.gpu_memory)  # a failed child's row too
             if probe and "error" not in probe and "error" not in row:
                 row["mfu"] = row["tflops"] / probe["matmul_tflops"]
                 row["probe"] = probe

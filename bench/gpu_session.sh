@@ -6,9 +6,10 @@
 #   bash bench/gpu_session.sh
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  at 16k tokens, megatrain with and without the backlog beside resident
-#                  compiled, the side-by-side A/B issue 6 needs; a megatrain child takes ~2.5
-#                  min at 1.3B: probe, build, page-locking, compile); "" skips
+#                  at 16k tokens, megatrain with host and with planner-chosen update sites
+#                  beside resident compiled, the side-by-side A/B issue 6 needs next; a
+#                  megatrain child took ~170 s at 1.3B on a cold compile cache, ~100 s warm,
+#                  before the backward became cacheable); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
@@ -39,7 +40,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+backlog --steps 4"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+updates=auto --steps 4"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

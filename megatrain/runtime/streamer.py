@@ -235,7 +235,7 @@ class Streamer:
     def begin_step(self) -> None:
         self._phase, self._awaiting_first = "forward", True
         for flat, _ in self._kept.values():  # kept by a forward whose backward has not run
-            self.pool.release(flat.numel() * flat.element_size())
+            self._release(flat)
         self._kept.clear()
         if self.device_updates is not None:
             self.device_updates.abandon()
@@ -454,8 +454,12 @@ class Streamer:
         return entry.flat
 
     def evict(self, region: int, flat: torch.Tensor) -> None:
-        self.pool.release(flat.numel() * flat.element_size())
+        self._release(flat)
         self._note_compute_end(region)
+
+    def _release(self, flat: torch.Tensor) -> None:
+        """A weight buffer's bytes go back to the budget (evicted, or a kept one unused)."""
+        self.pool.release(flat.numel() * flat.element_size())
 
     def keep(self, region: int, flat: torch.Tensor) -> None:
         """The forward is done with `flat`; the plan keeps it for the region's backward,
@@ -480,7 +484,7 @@ class Streamer:
                 self._discard(early[0])
             return
         if kept is not None:  # another module's weights
-            self.pool.release(kept[0].numel() * kept[0].element_size())
+            self._release(kept[0])
         self.prefetch(region, host_params)
 
     def _note_compute_end(self, region: int) -> None:

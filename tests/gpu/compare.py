@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import torch
 
-from ..compiler.helpers import train_megatrain
+from megatrain.models import Llama, LlamaConfig
+
+from ..compiler.helpers import random_batches, train_megatrain
+
+
+def seeded_llama_and_batches(layers: int = 4):
+    """The runtime options' GPU tests' problem: a 256-wide untied Llama of `layers` layers
+    from seed 0, and three batches of 2 x 64 tokens drawn after it."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=layers, heads=4, kv_heads=2, ffn=688,
+                              rope_theta=10000.0, tie_embeddings=False))
+    return model, random_batches(512, 3, batch=2, seq=64)
 
 
 def train_fp32_on_cuda(model, batches, **options):

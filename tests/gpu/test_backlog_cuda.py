@@ -19,11 +19,9 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.models import Llama, LlamaConfig
 from megatrain.optim import engine
 
-from ..compiler.helpers import random_batches
-from .compare import assert_runs_agree
+from .compare import assert_runs_agree, seeded_llama_and_batches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -63,10 +61,7 @@ def _train(model, batches, backlog: bool, precision: str):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_backlog_matches_no_backlog_on_cuda(slow_optimizer, precision):
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, ffn=688,
-                              rope_theta=10000.0, tie_embeddings=False))
-    batches = random_batches(512, 3, batch=2, seq=64)
+    model, batches = seeded_llama_and_batches()
     on, on_losses, plan, deferred = _train(model, batches, True, precision)
     off, off_losses, off_plan, _ = _train(model, batches, False, precision)
     backlog = plan.streamer.backlog

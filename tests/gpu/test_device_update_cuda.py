@@ -31,7 +31,7 @@ import megatrain.optim as mo
 from megatrain.runtime.host_store import home_parameters, is_page_locked
 from megatrain.runtime.layout import FlatLayout
 
-from .compare import train_fp32_on_cuda
+from .compare import seeded_llama_and_batches, train_fp32_on_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -195,14 +195,7 @@ def test_backend_device_updates_match_host_updates_on_cuda():
     runs. Hence: every element within lr / 10 (3e-4), and all but 1e-4 of them within
     rtol=1e-5, atol=1e-5 (= lr / 300). A missed, stale or doubled update moves most
     parameters by ~lr = 3e-3."""
-    from megatrain.models import Llama, LlamaConfig
-
-    from ..compiler.helpers import random_batches
-
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=3, heads=4, kv_heads=2, ffn=688,
-                              rope_theta=10000.0, tie_embeddings=False))
-    batches = random_batches(512, 3, batch=2, seq=64)
+    model, batches = seeded_llama_and_batches(layers=3)
     dev, dev_losses, plan = train_fp32_on_cuda(model, batches, updates="device")
     host, host_losses, host_plan = train_fp32_on_cuda(model, batches, updates="host")
     assert set(plan.update_sites.values()) == {"device"} and len(plan.update_sites) == 3 + 2

@@ -11,21 +11,14 @@ before its copy finished, lost or applied twice moves parameters by ~lr = 3e-3.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from megatrain.models import Llama, LlamaConfig
-
-from ..compiler.helpers import random_batches
-from .compare import assert_runs_agree, train_fp32_on_cuda
+from .compare import assert_runs_agree, seeded_llama_and_batches, train_fp32_on_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 def test_ring_matches_region_slabs_on_cuda():
-    torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=512, hidden=256, layers=4, heads=4, kv_heads=2, ffn=688,
-                              rope_theta=10000.0, tie_embeddings=False))
-    batches = random_batches(512, 3, batch=2, seq=64)
+    model, batches = seeded_llama_and_batches()
     # 192 KiB chunks: the 512 x 256 embedding (512 KiB) and each MLP weight are cut
     ring, ring_losses, plan = train_fp32_on_cuda(model, batches, grad_chunk=192 << 10)
     slabs, slab_losses, _ = train_fp32_on_cuda(model, batches, grad_chunk=None)

@@ -454,6 +454,13 @@ def _megatrain_stats(step_fn) -> dict:
             # how many regions' gradients waited there over the whole run (backlog=True)
             "update_reserve_bytes": sum(s.reserve.nbytes for s in streamers if s.reserve is not None),
             "backlogged_regions_total": sum(s.backlog.backlogged for s in streamers if s.backlog is not None),
+            # updates="resident": regions whose AdamW state lives on the GPU, its bytes, and
+            # the regions sent home (why) over the run
+            "resident_regions": sum(len(s.resident.regions) for s in streamers if s.resident is not None),
+            "resident_bytes": sum(sum(s.resident.held.values()) for s in streamers if s.resident is not None),
+            "resident_demoted": {r: why for s in streamers if s.resident is not None
+                                 for r, why in s.resident.demoted.items()},
+            "device_update_sites": sum(list(g.update_sites.values()).count("device") for g in plan.graphs),
             "page_lock_failures": list(host_store.register_failures),
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
@@ -779,7 +786,7 @@ def main(argv=None) -> int:
                    help="megatrain: after the timed steps, time again with each bound on the gradient "
                         "slabs in this list (2,4,2,4: alternate to see drift)")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
-    p.add_argument("--updates", default="host", choices=("host", "auto", "device"),
+    p.add_argument("--updates", default="host", choices=("host", "auto", "device", "resident"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
     p.add_argument("--backlog", action="store_true",
                    help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
@@ -889,7 +896,10 @@ def main(argv=None) -> int:
             print(f"{'':18s} host blocked: on gradient slabs {r.get('slab_wait_s', 0):.3f} s, on host casts "
                   f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}; "
                   f"reserve beside the plan {r.get('update_reserve_bytes', 0) / 2**30:.2f} GiB, "
-                  f"regions backlogged over the run {r.get('backlogged_regions_total')}")
+                  f"regions backlogged over the run {r.get('backlogged_regions_total')}; "
+                  f"resident regions {r.get('resident_regions')} "
+                  f"({(r.get('resident_bytes') or 0) / 2**30:.2f} GiB, sent home {r.get('resident_demoted')}), "
+                  f"device-update sites {r.get('device_update_sites')}")
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         if r.get("host_bytes_per_param_phases"):

@@ -65,6 +65,13 @@ class Options:
         resources a device update loads, the link (12 B/param each way) and host memory
         (its 24 B/param of DMA), against the host update's 28 B/param plus the gradient's
         copy; host memory is what bounds the step at 1.3B (bench/results/NOTES.md).
+        "resident" first keeps the AdamW state (fp32 master, m, v: 12 B/param) of as many
+        regions as that free memory holds on the device for good, the regions the next
+        forward needs first, then places the rest like "auto": those regions cost no
+        host memory traffic and no link bytes at all (megatrain.optim.resident). Their
+        host copies are current only after `opt.synchronize()` (or `state_dict()`);
+        inside `accumulate()`, with clipping or the non-finite check a region goes back
+        to the host for good. Not yet measured on the GPU.
     backlog: when the host optimizer lags behind backward, keep the gradients of regions
         that find no free host slab on the device (within the memory the plan leaves free;
         beyond it backward waits for a slab as without) and send them to the host earliest

@@ -24,7 +24,8 @@ class GraphPlan:
     saved_activations: list[str] = field(default_factory=list)
     schedule: object = None  # schedule.StepSchedule: the planner's plan, rates, event lists
     streamer: object = None
-    # Where each region's megatrain.AdamW update runs ("host" | "device"; update_sites.py),
+    # Where each region's megatrain.AdamW update runs ("host" | "device" | "resident";
+    # update_sites.py),
     # for the regions that hand their gradients to one; and the device bytes the plan
     # leaves free, within which device updates in flight are held.
     update_sites: dict[int, str] = field(default_factory=dict)

@@ -19,6 +19,13 @@ Policy (``updates`` option):
   ``"auto"``: :func:`~megatrain.optim.device_update.assign_sites` over the other regions,
   with the load of the fixed host regions added to the backward's streaming load: a
   region goes to the device when that ends the backward's transfer phase sooner.
+- ``"resident"``: first, regions whose AdamW state then lives on the device for good
+  (megatrain.optim.resident: no host memory, no link bytes for their fetches and
+  updates), as many as the reserve holds at 12 B/param beside one fp32 upcast scratch,
+  taken from the end of the backward's order: the regions whose updates come last, which
+  the next forward needs first (the step's serial tail on a host-bound step); then
+  ``"auto"`` over the rest with what is left of the reserve. Whatever the rates: a
+  resident region moves no bytes at all, so no cost model is needed to prefer it.
 
 Memory: a device update's buffers (``device_update.held_bytes``: ~16 bytes per parameter)
 live from the region's first gradient until the update's copy back completes, which a
@@ -44,10 +51,11 @@ from dataclasses import dataclass
 import torch
 
 from ..optim import device_update as du
+from ..optim import resident
 from .costs import Rates
 from .planner import Problem
 
-UPDATES = ("auto", "host", "device")
+UPDATES = ("auto", "host", "device", "resident")
 
 
 @dataclass(frozen=True)
@@ -91,21 +99,47 @@ def largest_fetch_params(problem: Problem, itemsize: int) -> int:
 
 def choose_sites(mode: str, regions: Sequence[GradientRegion], params: Sequence[torch.Tensor],
                  rates: Rates, *, streamed_params: int, grad_bytes: int,
-                 reserve: int) -> dict[int, du.Site]:
-    """Site per region (see the module docstring). Pure: the same inputs give the same
-    sites."""
+                 reserve: int) -> dict[int, str]:
+    """Site per region, "host", "device" or "resident" (see the module docstring). Pure:
+    the same inputs give the same sites."""
     assert mode in UPDATES, mode  # parse_options validated it
     numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
+    sites: dict[int, str] = {g.region: "host" for g in regions}
+    if mode == "resident":
+        resident, reserve = resident_sites(regions, params, reserve)
+        sites.update(dict.fromkeys(resident, "resident"))
+        streamed_params -= sum(numel[r] for r in resident)
+        regions = [g for g in regions if g.region not in resident]
+        mode = "auto"
     free = [g.region for g in regions if mode != "host" and not g.shared
             and du.held_bytes([params[p].shape for p in g.pids]) <= reserve]
-    sites: dict[int, du.Site] = {g.region: "host" for g in regions}
     if mode == "device":
         sites.update(dict.fromkeys(free, "device"))
     elif mode == "auto" and free:
-        load = du.PhaseLoad.streaming(streamed_params)
+        load = du.PhaseLoad.streaming(max(streamed_params, 0))
         for g in regions:
             if g.region not in free:
                 load = load + du.update_load(numel[g.region], "host", grad_bytes)
         chosen, _ = du.assign_sites([numel[r] for r in free], rates, load=load, grad_bytes=grad_bytes)
         sites.update(zip(free, chosen))
     return sites
+
+
+def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Tensor],
+                   reserve: int) -> tuple[list[int], int]:
+    """The regions to keep resident, in the order the runtime acquires them (the end of
+    the backward's order first), and the reserve left: each region's
+    ``resident.resident_bytes`` plus one upcast scratch as large as the largest parameter
+    among the candidates (what the runtime's ResidentRegions acquires, or more)."""
+    candidates = [g for g in regions if not g.shared]
+    scratch = 4 * max((params[p].numel() for g in candidates for p in g.pids), default=0)
+    if not candidates or scratch > reserve:
+        return [], reserve
+    left = reserve - scratch
+    chosen = []
+    for g in reversed(candidates):
+        nbytes = resident.resident_bytes([params[p].shape for p in g.pids])
+        if nbytes <= left:
+            chosen.append(g.region)
+            left -= nbytes
+    return chosen, (left if chosen else reserve)

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from megatrain.optim import checks, device_update, functional, registry
+from megatrain.optim.resident import ResidentState
 from megatrain.optim.engine import HostWorker
 from megatrain.runtime.host_store import is_homed
 
@@ -131,6 +132,7 @@ class AdamW(Optimizer):
         self._promise_lock = threading.Lock()
         self._piece_seen: dict[Tensor, int] = {}  # param -> elements handed in so far (caller)
         self._piece_fresh: dict[Tensor, bool] = {}  # param -> p.grad started empty (worker)
+        self._resident = ResidentState()  # params whose state lives on the device
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -140,6 +142,7 @@ class AdamW(Optimizer):
         ``step``."""
         params, grads = list(params), list(grads)
         checks.check_region(params, grads, self._where.__contains__, self._describe)
+        self._leave_device(params)
         for p in params:
             if p in self._final:
                 raise ValueError(
@@ -174,6 +177,7 @@ class AdamW(Optimizer):
         work: dict[int, list[tuple[Tensor, int, Tensor, bool, bool]]] = {}
         for p, start, g in pieces:
             checks.check_piece(p, start, g, self._where.__contains__, self._describe)
+            self._leave_device([p])
             seen = self._piece_seen.get(p, 0)
             if start != seen:
                 raise ValueError(
@@ -228,6 +232,7 @@ class AdamW(Optimizer):
         self.wait_params(params)
         if any(p.grad is not None for p in params):
             return None
+        self._leave_device(params)
         groups = {self._where[p][0] for p in params}
         d = Deferred(self, params, {gi: self._hyper(self.param_groups[gi]) for gi in groups})
         with self._promise_lock:
@@ -324,6 +329,7 @@ class AdamW(Optimizer):
         reason = self.device_update_blocker(params)
         if reason is not None:
             raise ValueError(f"submit_on_device(): {reason}")
+        self._leave_device(params)
         by_group: dict[int, list[int]] = {}
         for i, p in enumerate(params):
             by_group.setdefault(self._where[p][0], []).append(i)
@@ -400,6 +406,64 @@ class AdamW(Optimizer):
         self.wait_params(params)
         device_update.ensure_state(self.state, params, pin=dev.type == "cuda")
 
+    # ---- state kept on the compute device (updates="resident"; optim/resident.py) ----
+
+    def make_resident(self, params: Sequence[Tensor], device: torch.device | str) -> str | None:
+        """Keep the master, m and v of ``params`` on ``device`` from now on: their updates
+        (:meth:`update_resident`) and the runtime's weight fetches (:meth:`resident_master`)
+        touch no host memory. Returns why not (None: done): the reasons
+        :meth:`device_update_blocker` gives, which every step's update would meet too."""
+        params = list(params)
+        reason = self.device_update_blocker(params)
+        if reason is not None:
+            return reason
+        dev = device_update.resolve_device(device)
+        for p in params:
+            if p not in self._resident:
+                self._resident.adopt(self.state, p, dev)
+        return None
+
+    def resident_master(self, p: Tensor) -> Tensor | None:
+        """The device fp32 master of ``p`` for a weight fetch (None: not resident). A host
+        write since the last :meth:`synchronize` is uploaded first."""
+        if p not in self._resident:
+            return None
+        return self._resident.master(p, self.state, self._describe)
+
+    def resident_ready(self, p: Tensor) -> Any:
+        """The CUDA event after which ``p``'s device master holds its latest update (None:
+        no update yet, or the CPU)."""
+        return self._resident.ready_event(p)
+
+    def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> str | None:
+        """Apply the final gradients of resident ``params`` (fp32, on their device, laid out
+        like the params) on the device now, in stream order, with the group's
+        hyperparameters read now. Returns why not (None: applied): then nothing happened
+        and the caller drops the residency and takes the host path (``submit``)."""
+        params, grads = list(params), list(grads)
+        if not all(p in self._resident for p in params):
+            return "a parameter is not resident"
+        reason = self.device_update_blocker(params)
+        if reason is not None:
+            return reason
+        for gi, (ps, gs) in self._split_by_group(params, grads).items():
+            self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
+        for p in params:
+            self._final[p] = True
+        return None
+
+    def drop_resident(self, params: Iterable[Tensor] | None = None) -> None:
+        """Keep ``params`` (default: all) in host memory again, newest values included."""
+        self._resident.drop(self.state, None if params is None else list(params))
+
+    def is_resident(self, p: Tensor) -> bool:
+        return p in self._resident
+
+    def _leave_device(self, params: Sequence[Tensor]) -> None:
+        """A host path is about to touch ``params``: resident ones come home first."""
+        if len(self._resident):
+            self._resident.drop(self.state, [p for p in params if p in self._resident])
+
     def wait_params(self, params: Iterable[Tensor]) -> None:
         """Block until every queued update or accumulation touching ``params`` is done,
         deferred ones included (first queued, then done)."""
@@ -429,6 +493,7 @@ class AdamW(Optimizer):
         try:
             self._wait_for_step(fresh)
             work = self._pending_grads()
+            self._leave_device([p for ps, _ in work.values() for p in ps])
             coef = None
             if work and (self.max_grad_norm is not None or self.skip_nonfinite):
                 params = [p for ps, _ in work.values() for p in ps]
@@ -478,8 +543,10 @@ class AdamW(Optimizer):
     def synchronize(self) -> None:
         """Block until every queued update has been applied. ``step()`` returns before its
         updates finish when the gradients came region by region from the runtime (see the
-        class docstring); read parameters directly only after this."""
+        class docstring), and resident state (``updates="resident"``) reaches the host only
+        here; read or write parameters directly only after this."""
         self._wait_everything()
+        self._resident.flush(self.state)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Queued updates hold their own references to the gradients, so dropping p.grad
@@ -533,15 +600,17 @@ class AdamW(Optimizer):
             self._threads_arg = None
 
     def state_dict(self) -> dict[str, Any]:
-        self._wait_everything()
+        self.synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._wait_everything()
+        # The loaded state replaces the device copies: the runtime adopts it afresh.
+        self._resident.drop(self.state, flush=False)
         super().load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
-        self._wait_everything()
+        self.synchronize()
         state = dict(super().__getstate__())
         state["megatrain_options"] = dict(
             max_grad_norm=self.max_grad_norm,

@@ -38,6 +38,7 @@ from . import graph_order
 from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
+from .resident_regions import ResidentRegions
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked, release_cached_pinned_blocks, release_unused_pinned_blocks
@@ -205,6 +206,8 @@ class Streamer:
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
+        self.resident: ResidentRegions | None = None  # regions whose AdamW state lives here
+        self._resident_claimed = False
         self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
         self.backlog: GradBacklog | None = None  # enable_backlog
         self._grad_bytes: dict[int, int] = {}  # region -> its gradients' slab reservation
@@ -234,6 +237,9 @@ class Streamer:
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
         self._phase, self._awaiting_first = "forward", True
+        if self.resident is not None and not self._resident_claimed:
+            self._resident_claimed = True
+            self._send_other_residents_home()
         for flat, _ in self._kept.values():  # kept by a forward whose backward has not run
             self._release(flat)
         self._kept.clear()
@@ -326,6 +332,11 @@ class Streamer:
         spans = contiguous_spans([p.detach() for p in host_params], lay)
         self.stats.regions_fetched.append(region)
         entry = _Inflight(flat, nbytes)
+        resident = self.resident.sources(region, host_params) if self.resident is not None else None
+        if resident is not None:
+            self.stats.fetch_paths["resident"] += 1
+            entry.done = self._copy_resident(flat, lay, resident)
+            return entry
         # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
@@ -348,6 +359,26 @@ class Streamer:
                 self.stats.fetch_paths["host-cast" if pinned else "host-cast (pageable)"] += 1
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
         return entry
+
+    def _copy_resident(self, flat, lay, sources):
+        """Cast the device masters of a resident region into its weight buffer: on the
+        copy stream after the buffer's allocation and the masters' last updates (CUDA)."""
+        views = lay.views(flat)
+        if not self.cuda:
+            for view, (master, _) in zip(views, sources):
+                view.copy_(master)
+            return None
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.h2d_stream):
+            self.h2d_stream.wait_event(allocated)
+            for event in {id(e): e for _, e in sources if e is not None}.values():
+                self.h2d_stream.wait_event(event)
+            for view, (master, _) in zip(views, sources):
+                view.copy_(master)
+            done = torch.cuda.Event()
+            done.record(self.h2d_stream)
+        return done
 
     def _copy_in(self, flat, spans, allocated, region):
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -509,6 +540,9 @@ class Streamer:
                           param: torch.Tensor) -> None:
         """Hand `grad`, the gradient of `param` (graph slot `param_id`: the same graph may
         run for several modules, each with its own parameters), to `param`'s optimizer."""
+        if self.resident is not None and self.resident.take(grad, region, param):
+            self._count_in(region)  # updated on the device; a demoted region's rest goes home
+            return
         if self.device_updates is not None:
             if param is not self.params[param_id]:
                 raise UnsupportedError(
@@ -858,13 +892,29 @@ class Streamer:
             self.device_updates.retire()
 
     # -- updates on the device (device_updates.py; the sites: compiler/update_sites.py) ---
-    def place_updates(self, regions: dict[int, list[int]], reserve: int) -> None:
+    def place_updates(self, regions: dict[int, list[int]], reserve: int,
+                      resident: dict[int, list[int]] | None = None) -> None:
         """Run the AdamW update of ``regions`` (region -> its parameter ids) on the device,
-        their buffers in flight held within ``reserve`` bytes beside the plan."""
+        their buffers in flight held within ``reserve`` bytes beside the plan; keep the
+        AdamW state of ``resident`` regions on the device for good, their bytes taken from
+        the reserve first (resident_regions.py). Resident bytes outlive this graph's step,
+        which other graphs' plans do not count: every other streamer's go home."""
         streams = (self.h2d_stream, self.d2h_stream) if self.cuda else None
         self.reserve = Reserve(self.pool, reserve)
+        if resident:
+            self.resident = ResidentRegions(self.device, self.params, resident, self.reserve)
+            self._resident_claimed = False  # begin_step sends other graphs' home, once
         self.device_updates = (DeviceUpdates(self.device, self.pool, self.params, streams, regions,
                                              self.reserve) if regions else None)
+
+    def _send_other_residents_home(self) -> None:
+        """Resident bytes outlive their graph's step and no other graph's plan counts them:
+        before this graph's first step, every other graph's resident regions go home (at
+        run time: demotion copies real tensors, which compile-time fake mode forbids)."""
+        with _LOCK:
+            others = [s for s in _REGISTRY if s is not self and s.resident is not None]
+        for other in others:
+            other.resident.demote_all("another compiled graph holds resident regions now")
 
     def enable_backlog(self, handoffs: list[tuple[int, int]]) -> None:
         """Keep gradients that find no free slab on the device, within the reserve of

@@ -182,7 +182,7 @@ def test_device_regions_must_fit_the_memory_the_plan_leaves():
 
 @pytest.mark.parametrize("value", ["optimizer", None, True])
 def test_a_bad_updates_value_is_refused(value):
-    with pytest.raises(ValueError, match=r"updates=.* use one of \('auto', 'host', 'device'\)"):
+    with pytest.raises(ValueError, match=r"updates=.* use one of \('auto', 'host', 'device', 'resident'\)"):
         parse_options({"device": "cpu", "updates": value})
     step = torch.compile(llama(), backend="megatrain", options={"device": "cpu", "updates": value})
     ids = torch.randint(0, VOCAB, (1, 8))

@@ -1,0 +1,164 @@
+"""AdamW state that stays on the compute device between steps (``updates="resident"``).
+
+Why: where the host's memory bandwidth bounds the step (1.3B at 16k tokens on the H200:
+~38 B/param of host traffic per step, ~0.45 s at ~106 GB/s, against 0.335 s of GPU-resident
+compute), moving bytes between host and device cannot help much: a device-site update
+(device_update.py) still reads and writes master, m and v in host memory, by DMA. A
+parameter whose fp32 master, m and v live on the device costs no host memory traffic, no
+link bytes and ~0.1 ms of device time per step: its weight fetch is a cast on the device,
+its update runs in stream order when its gradient is handed off. The planner spends on it
+only the device memory the plan leaves free (compiler/update_sites.py), 12 B/param.
+
+The host copy is the authority at rest, the device copy while training:
+
+- ``adopt``: master, m, v (zeros at step 0, as the host path would create them) and the
+  step count are copied to the device; the host's ``p._version`` is remembered.
+- ``update``: the same fused kernel as every other path (functional.adamw_) on the device
+  tensors, with the group's hyperparameters read now; the host copy is now stale.
+- ``flush`` (``AdamW.synchronize()``, ``state_dict()``, pickling): the device values are
+  copied into the host parameter and host state, which are then current again; the device
+  copies stay. Read or write parameters directly only after ``synchronize()`` (the rule
+  deferred updates already impose, AdamW's docstring).
+- a host write after a flush (``p._version`` moved) is seen at the next fetch: the master
+  is uploaded again. A host write while the device holds newer values would be lost or
+  would lose the device's: it raises and says to call ``synchronize()`` first.
+- ``drop`` (demotion: the optimizer cannot update on the device this step, e.g. inside
+  ``accumulate()``; ``load_state_dict``; another graph takes the device memory): flushed
+  if newer, device copies freed; the host path takes over, bitwise where it continues.
+
+Numbers: on the CPU (CI) the very same kernel runs on separate CPU tensors, so results are
+bitwise those of the host path. On CUDA the fused kernel rounds like the device-site
+update (a few ulp per step from the CPU's; tests/gpu/test_resident_cuda.py holds the two
+device paths bitwise equal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import functional
+
+# Device bytes per resident parameter element: fp32 master, m and v.
+BYTES_PER_PARAM = 12
+# Per tensor: the caching allocator rounds every block up to 512 bytes; the step count.
+_BLOCK = 512
+
+
+def resident_bytes(shapes: Sequence[Sequence[int]]) -> int:
+    """Device bytes that making parameters of ``shapes`` resident holds (three fp32
+    tensors and a step count each, rounded up to the allocator's 512-byte blocks)."""
+    total = 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += 3 * (-(-4 * n // _BLOCK) * _BLOCK) + _BLOCK
+    return total
+
+
+@dataclass
+class _Entry:
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: Tensor
+    host_version: int  # p._version when the host copy was last current
+    dirty: bool = False  # the device holds values the host has not seen
+    updated: Any = None  # CUDA event after the last update (None on the CPU)
+
+
+class ResidentState:
+    """Per optimizer: the parameters whose AdamW state is on the device."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Tensor, _Entry] = {}
+
+    def __contains__(self, p: Tensor) -> bool:
+        return p in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @torch.no_grad()
+    def adopt(self, state: dict, p: Tensor, device: torch.device) -> None:
+        """Copy ``p``'s master, moments and step to ``device`` (state created as the host
+        path would: zero moments, step 0)."""
+        st = state[p]
+        if st:
+            m, v, step = st["exp_avg"], st["exp_avg_sq"], st["step"]
+        else:
+            m = v = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            step = torch.zeros((), dtype=torch.float32)
+        on = lambda t: t.detach().to(device, torch.float32, copy=True).contiguous()  # noqa: E731
+        self._entries[p] = _Entry(on(p), on(m), on(v), on(step), p._version)
+
+    def master(self, p: Tensor, state: dict, describe) -> Tensor:
+        """The device master of ``p`` for a weight fetch, uploaded again if the host copy
+        was written since it was last current. Raises where both sides changed."""
+        e = self._entries[p]
+        if p._version != e.host_version:
+            if e.dirty:
+                raise RuntimeError(
+                    f"megatrain.AdamW: {describe(p)} was written on the host while its newest "
+                    "value lived on the device (updates='resident'): call opt.synchronize() "
+                    "before reading or writing parameters directly")
+            with torch.no_grad():
+                e.master.copy_(p.detach())
+            e.host_version = p._version
+        return e.master
+
+    def ready_event(self, p: Tensor) -> Any:
+        return self._entries[p].updated
+
+    @torch.no_grad()
+    def update(self, params: Sequence[Tensor], grads: Sequence[Tensor], hyper: dict[str, float]) -> None:
+        """One AdamW step of ``params`` on their device state, on the current stream.
+        ``grads``: fp32, laid out like the params (the runtime upcasts)."""
+        entries = [self._entries[p] for p in params]
+        functional.adamw_(
+            [e.master for e in entries], list(grads), [e.exp_avg for e in entries],
+            [e.exp_avg_sq for e in entries], [e.step for e in entries], **hyper)
+        event = None
+        if entries and entries[0].master.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(entries[0].master.device))
+        for e in entries:
+            e.dirty, e.updated = True, event
+
+    @torch.no_grad()
+    def flush(self, state: dict, params: Sequence[Tensor] | None = None) -> None:
+        """Copy newer device values into the host parameters and state."""
+        for p in list(self._entries) if params is None else params:
+            e = self._entries.get(p)
+            if e is None or not e.dirty:
+                continue
+            if e.updated is not None:
+                e.updated.synchronize()
+            st = state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            p.detach().copy_(e.master)
+            st["exp_avg"].copy_(e.exp_avg)
+            st["exp_avg_sq"].copy_(e.exp_avg_sq)
+            st["step"].copy_(e.step)
+            e.dirty, e.host_version = False, p._version
+
+    def drop(self, state: dict, params: Sequence[Tensor] | None = None, *, flush: bool = True) -> None:
+        """Stop keeping ``params`` (default all) on the device; newer values are flushed to
+        the host first unless ``flush`` is False (they are about to be overwritten)."""
+        params = list(self._entries) if params is None else [p for p in params if p in self._entries]
+        if flush:
+            self.flush(state, params)
+        devices = set()
+        for p in params:
+            devices.add(self._entries.pop(p).master.device)
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a fetch on a copy stream may still read it

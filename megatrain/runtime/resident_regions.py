@@ -1,0 +1,138 @@
+"""The streamer's side of resident regions: AdamW state kept on the device between steps
+(``updates="resident"``; the optimizer's side is megatrain.optim.resident).
+
+For a region the plan made resident (megatrain.compiler.update_sites):
+
+    placement: its bytes (``resident.resident_bytes``: 12 per parameter) are acquired in
+        the streamer's reserve, the memory the plan leaves free, for good; one fp32 upcast
+        scratch (the largest such parameter) beside them. Regions that do not fit stay
+        with their other site.
+    fetch: the first one adopts the region (``AdamW.make_resident``: master, m, v copied to
+        the device once); every fetch then casts the device master into the plan's weight
+        buffer on the copy stream, after the region's last update (its event): no PCIe, no
+        host memory.
+    hand-off of each gradient: upcast into the scratch and ``AdamW.update_resident``, on
+        the compute stream, in stream order: the gradient's memory, which Inductor reuses
+        right after the hand-off, has been read before anything can overwrite it, so the
+        region needs no gradient buffer and no copy.
+    demotion: where the optimizer refuses (``accumulate()``, clipping, the non-finite
+        check, a subclass, several owners) the region leaves the device for good
+        (``AdamW.drop_resident``: newest values flushed to the host), its bytes go back to
+        the reserve and the host path takes over, bitwise where it continues on the CPU.
+
+Only one compiled graph holds resident regions at a time: their bytes outlive the graph's
+step, and another graph's plan does not count them. A graph placing resident regions
+therefore demotes every other streamer's (see ``Streamer.place_updates``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..optim import resident as resident_mod
+from ..optim.registry import owner_of
+from .pool import Reserve
+
+
+class ResidentRegions:
+    """Per streamer: the resident regions, the reserve bytes each holds, the upcast
+    scratch, and the fetch sources and updates through their optimizer."""
+
+    def __init__(self, device: torch.device, params: list, regions: dict[int, list[int]],
+                 reserve: Reserve):
+        self.device = device
+        self.params = params
+        self.reserve = reserve
+        self.regions: dict[int, list[int]] = {}
+        self.held: dict[int, int] = {}  # region -> reserve bytes it holds
+        self.updates = 0  # resident updates run, for tests and benchmarks
+        self.demoted: dict[int, str] = {}  # region -> why it left the device
+        numel = max((params[p].numel() for pids in regions.values() for p in pids), default=0)
+        self._scratch_bytes = 4 * numel
+        self._scratch: torch.Tensor | None = None
+        if not regions or not reserve.try_acquire(self._scratch_bytes, "resident upcast scratch"):
+            self._scratch_bytes = 0
+            return
+        for region, pids in regions.items():
+            nbytes = resident_mod.resident_bytes([params[p].shape for p in pids])
+            if reserve.try_acquire(nbytes, f"resident state of region {region}"):
+                self.regions[region], self.held[region] = list(pids), nbytes
+        if not self.regions:
+            self._free_scratch()
+
+    def sources(self, region: int, host_params: list) -> list | None:
+        """The device fp32 masters to fetch ``region``'s weights from, in ``host_params``
+        order, with the events to wait for; None: fetch from the host."""
+        pids = self.regions.get(region)
+        if pids is None or {id(p) for p in host_params} != {id(self.params[i]) for i in pids}:
+            return None
+        opt = _owner(host_params)
+        if opt is None:
+            self.demote(region, "the parameters have no single megatrain.AdamW owner")
+            return None
+        if not all(opt.is_resident(p) for p in host_params):
+            reason = opt.make_resident(host_params, self.device)
+            if reason is not None:
+                self.demote(region, reason)
+                return None
+        return [(opt.resident_master(p), opt.resident_ready(p)) for p in host_params]
+
+    def take(self, grad: torch.Tensor, region: int, param: torch.Tensor) -> bool:
+        """Update ``param`` from ``grad`` on the device now (True), or leave the gradient to
+        the host path (False: the region is not resident, or no longer)."""
+        if region not in self.regions:
+            return False
+        opt = owner_of(param)
+        if opt is None or not hasattr(opt, "is_resident") or not opt.is_resident(param):
+            return False  # not adopted yet, or a host path took it home: the host path
+        reason = opt.update_resident([param], [self._fp32(grad, param)])
+        if reason is not None:
+            self.demote(region, reason)
+            return False
+        self.updates += 1
+        return True
+
+    def demote(self, region: int, reason: str) -> None:
+        """The region leaves the device for good: newest values to the host, bytes back."""
+        pids = self.regions.pop(region, None)
+        if pids is None:
+            return
+        self.demoted[region] = reason
+        params = [self.params[p] for p in pids]
+        opt = _owner(params)
+        if opt is not None:
+            opt.drop_resident(params)
+        else:
+            for o in {id(o): o for o in map(owner_of, params) if hasattr(o, "drop_resident")}.values():
+                o.drop_resident([p for p in params if owner_of(p) is o])
+        self.reserve.release(self.held.pop(region))
+        if not self.regions:
+            self._free_scratch()
+
+    def demote_all(self, reason: str) -> None:
+        for region in list(self.regions):
+            self.demote(region, reason)
+
+    def _fp32(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """``grad`` as fp32 laid out like the (contiguous) device master: itself when it is
+        already, else upcast into the scratch (reused in stream order)."""
+        if grad.dtype == torch.float32 and grad.is_contiguous():
+            return grad
+        if self._scratch is None:
+            self._scratch = torch.empty(self._scratch_bytes // 4, dtype=torch.float32, device=self.device)
+        return self._scratch[:grad.numel()].view(param.shape).copy_(grad)
+
+    def _free_scratch(self) -> None:
+        if self._scratch_bytes:
+            if self._scratch is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # queued updates may still read it
+            self._scratch = None
+            self.reserve.release(self._scratch_bytes)
+            self._scratch_bytes = 0
+
+
+def _owner(params: list):
+    """The one optimizer owning all of ``params`` if it keeps state on the device."""
+    owners = {id(o): o for o in map(owner_of, params)}
+    opt = next(iter(owners.values())) if len(owners) == 1 else None
+    return opt if hasattr(opt, "make_resident") else None

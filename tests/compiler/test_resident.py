@@ -1,0 +1,241 @@
+"""AdamW state kept on the device between steps (updates="resident"): megatrain.optim.resident,
+megatrain.runtime.resident_regions and the sites in megatrain.compiler.update_sites.
+
+On the CPU device the resident state is a second set of CPU tensors updated by the same
+kernel, so updates="resident" trains bitwise like updates="host"; what these tests add is
+that the device copies really are the ones training (the host copies are stale until
+synchronize()), and that every way out (accumulation, clipping, load_state_dict, a host
+write, another graph) loses nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.models import Llama, LlamaConfig
+from megatrain.optim import resident as resident_mod
+
+from .helpers import flat, random_batches, rel, train_eager
+
+VOCAB = 160
+
+
+def llama(tied: bool = False, layers: int = 2) -> Llama:
+    return Llama(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
+                             rope_theta=10000.0, tie_embeddings=tied))
+
+
+@pytest.fixture(autouse=True)
+def no_cached_rates(tmp_path, monkeypatch):
+    """Compile with the default CPU rates, whatever this machine has cached."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+
+
+def compiled(model, updates, *, max_grad_norm=None, **options):
+    torch._dynamo.reset()
+    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    step = torch.compile(model, backend="megatrain", options={
+        "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates, **options})
+    return opt, step
+
+
+def run(step, opt, batches):
+    losses = []
+    for ids, labels in batches:
+        loss = step(ids, labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def train(model, updates, batches, **kw):
+    model = copy.deepcopy(model)
+    opt, step = compiled(model, updates, **kw)
+    losses = run(step, opt, batches)
+    opt.synchronize()
+    plan = megatrain.explain(step).graphs[0]
+    return dict(params=flat(model.parameters()), losses=losses, plan=plan, opt=opt, model=model,
+                resident=plan.streamer.resident)
+
+
+@pytest.mark.parametrize("tied,precision", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
+def test_resident_trains_bitwise_like_host_and_like_eager(tied, precision):
+    torch.manual_seed(0)
+    model = llama(tied)
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    host = train(model, "host", batches, precision=precision)
+    res = train(model, "resident", batches, precision=precision)
+    assert torch.equal(res["params"], host["params"]) and res["losses"] == host["losses"]
+    if precision == "fp32":
+        ref = train_eager(model, batches)
+        assert all(abs(a - b) / abs(b) < 1e-5 for a, b in zip(res["losses"], ref["losses"]))
+        assert rel(res["params"], ref["params"]) < 1e-3
+    sites = res["plan"].update_sites
+    names = {r.id: r.name for r in res["plan"].regions}
+    # The tied embedding's gradient comes in two pieces: summed on the host, never resident.
+    shared = {r for r in sites if tied and names[r] in ("prologue", "epilogue")}
+    assert {r for r, s in sites.items() if s == "resident"} == set(sites) - shared
+    per_step = sum(len(pids) for pids in res["resident"].regions.values())
+    assert res["resident"].updates == 3 * per_step > 0 and not res["resident"].demoted
+    assert res["plan"].streamer.last_stats.fetch_paths["resident"] > 0
+
+
+def test_host_copies_are_stale_until_synchronize():
+    """The device copies are the ones training: before synchronize() the host parameters
+    still hold their initial values; after it they and the state_dict are the host path's."""
+    torch.manual_seed(1)
+    model = llama()
+    batches = random_batches(VOCAB, 2, batch=2, seq=16)
+    host = train(model, "host", batches)
+    streamed = copy.deepcopy(model)
+    initial = {n: p.detach().clone() for n, p in streamed.named_parameters()}
+    opt, step = compiled(streamed, "resident")
+    run(step, opt, batches)
+    kept = [n for n, p in streamed.named_parameters() if opt.is_resident(p)]
+    assert kept and all(torch.equal(dict(streamed.named_parameters())[n], initial[n]) for n in kept)
+    state = opt.state_dict()  # synchronizes
+    assert torch.equal(flat(streamed.parameters()), host["params"])
+    ref = host["opt"].state_dict()
+    for i, st in state["state"].items():
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(st[key], ref["state"][i][key]), (i, key)
+    assert all(opt.is_resident(p) for n, p in streamed.named_parameters() if n in kept)
+
+
+def test_accumulation_and_clipping_send_regions_home_and_stay_exact():
+    """Inside accumulate() (the last micro-batch's p.grad holds the others) and with
+    max_grad_norm the update cannot run at the hand-off: each region is demoted for good,
+    its bytes go back to the reserve, and training continues bitwise like the host path."""
+    torch.manual_seed(2)
+    model = llama(layers=1)
+    (ids0, labels0), (ids1, labels1) = random_batches(VOCAB, 2, batch=2, seq=8)
+    out = {}
+    for updates in ("resident", "host"):
+        streamed = copy.deepcopy(model)
+        opt, step = compiled(streamed, updates)
+        for _ in range(2):
+            with opt.accumulate():
+                (step(ids0, labels=labels0) / 2).backward()
+            (step(ids1, labels=labels1) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        out[updates] = flat(streamed.parameters())
+        resident = megatrain.explain(step).graphs[0].streamer.resident
+        if updates == "resident":
+            assert resident.demoted and not resident.regions and resident.updates == 0
+            assert resident.reserve.live == 0
+            assert "accumulate()" in next(iter(resident.demoted.values()))
+    assert torch.equal(out["resident"], out["host"])
+
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    clipped = train(model, "resident", batches, max_grad_norm=0.05)
+    assert clipped["resident"].demoted and clipped["resident"].updates == 0
+    assert "max_grad_norm" in next(iter(clipped["resident"].demoted.values()))
+    assert torch.equal(clipped["params"], train(model, "host", batches, max_grad_norm=0.05)["params"])
+
+
+def test_host_writes_after_synchronize_are_seen_and_before_it_refused():
+    torch.manual_seed(3)
+    model = llama()
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    out = {}
+    for updates in ("resident", "host"):
+        streamed = copy.deepcopy(model)
+        opt, step = compiled(streamed, updates)
+        run(step, opt, batches[:1])
+        opt.synchronize()
+        with torch.no_grad():
+            for p in streamed.parameters():
+                p.mul_(0.5)
+        run(step, opt, batches[1:])
+        opt.synchronize()
+        out[updates] = flat(streamed.parameters())
+        if updates == "resident":
+            run(step, opt, batches[:1])
+            with torch.no_grad():  # the device holds newer values now: this write is refused
+                next(streamed.parameters()).add_(1.0)
+            with pytest.raises(RuntimeError, match=r"call opt.synchronize\(\) before"):
+                step(*batches[0][:1], labels=batches[0][1])
+    assert torch.equal(out["resident"], out["host"])
+
+
+def test_load_state_dict_is_adopted_afresh():
+    """Restoring model and optimizer state and repeating a step gives that step again."""
+    torch.manual_seed(4)
+    model = llama()
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    streamed = copy.deepcopy(model)
+    opt, step = compiled(streamed, "resident")
+    run(step, opt, batches[:2])
+    saved_opt = copy.deepcopy(opt.state_dict())
+    saved_model = copy.deepcopy(streamed.state_dict())
+    run(step, opt, batches[2:])
+    opt.synchronize()
+    once = flat(streamed.parameters())
+    streamed.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    assert not any(opt.is_resident(p) for p in streamed.parameters())
+    run(step, opt, batches[2:])
+    assert any(opt.is_resident(p) for p in streamed.parameters())
+    opt.synchronize()
+    assert torch.equal(flat(streamed.parameters()), once)
+
+
+def test_resident_regions_fit_the_memory_the_plan_leaves():
+    """With room for some regions only, the runtime keeps exactly those resident_sites
+    picks (the end of the backward's order first), within the reserve, and places the rest
+    like "auto"; the pool never exceeds gpu_memory."""
+    torch.manual_seed(5)
+    model = llama(layers=3)
+    batches = random_batches(VOCAB, 2, batch=2, seq=8)
+    roomy = train(model, "host", batches, prefetch=0)["plan"]
+    params = dict(model.named_parameters())
+    need = sorted(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
+                  for r in roomy.regions if r.param_fqns)
+    scratch = 4 * max(p.numel() for p in model.parameters())
+    budget = roomy.predicted_peak_bytes + scratch + need[0] + need[1] + need[2] // 2
+    tight = train(model, "resident", batches, prefetch=0, gpu_memory=budget)
+    plan = tight["plan"]
+    kept = {r for r, s in plan.update_sites.items() if s == "resident"}
+    assert 0 < len(kept) < len(plan.update_sites)
+    # Greedy from the end of the backward (the forward's order), skipping what does not fit.
+    left, expect = plan.update_reserve - scratch, set()
+    for r in plan.regions:
+        nbytes = resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
+        if r.param_fqns and nbytes <= left:
+            expect.add(r.id)
+            left -= nbytes
+    assert kept == expect
+    assert set(tight["resident"].regions) == kept
+    assert tight["resident"].reserve.live <= plan.update_reserve
+    assert plan.streamer.pool.peak <= plan.budget
+    assert torch.equal(tight["params"], train(model, "host", batches, prefetch=0)["params"])
+
+
+def test_another_graph_placing_resident_regions_sends_the_first_home():
+    torch.manual_seed(6)
+    first, second = llama(), llama(layers=1)
+    batches = random_batches(VOCAB, 2, batch=2, seq=16)
+    ref = train(first, "host", batches)["params"]
+    a = copy.deepcopy(first)
+    opt_a, step_a = compiled(a, "resident")
+    run(step_a, opt_a, batches[:1])
+    resident_a = megatrain.explain(step_a).graphs[0].streamer.resident
+    assert resident_a.regions
+    b = copy.deepcopy(second)
+    opt_b = megatrain.AdamW(b.parameters(), lr=3e-3)
+    step_b = torch.compile(b, backend="megatrain", options={
+        "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": "resident"})
+    run(step_b, opt_b, batches[:1])
+    assert not resident_a.regions and resident_a.reserve.live == 0
+    assert not any(opt_a.is_resident(p) for p in a.parameters())
+    run(step_a, opt_a, batches[1:])
+    opt_a.synchronize()
+    assert torch.equal(flat(a.parameters()), ref)

@@ -6,14 +6,16 @@
 #   bash bench/gpu_session.sh
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  at 16k tokens, megatrain with host and with planner-chosen update sites
-#                  beside resident compiled, the side-by-side A/B issue 6 needs next; a
+#                  at 16k tokens, megatrain with planner-chosen update sites and with
+#                  resident AdamW state beside resident compiled, the side-by-side A/B
+#                  issue 6 needs next; 3 warm-up steps: the reserve grows after step 2
+#                  and step 3 adopts the regions it admits, a one-time upload; a
 #                  megatrain child took ~170 s at 1.3B on a cold compile cache, ~100 s warm,
 #                  before the backward became cacheable); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
-#                  updates + gradient ring + kept weights; the zoo, all passed, is left out); "" skips
+#                  updates + gradient ring + kept weights + resident state; the zoo, all passed, is left out); "" skips
 #   TEST_TIMEOUT   s for the test groups together (default 200)
 #   MEGATRAIN_COMMIT  recorded in the rows
 #   WHEELS         a folder of carried wheels installed first (--target /tmp/site, on
@@ -40,7 +42,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain,megatrain+updates=auto --steps 4"
+default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain+updates=auto,megatrain+updates=resident --steps 6 --warmup 3"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue
@@ -53,7 +55,7 @@ while IFS= read -r run; do
     | tee "$OUT/train_run$n.out" | grep -v '^{' | grep -v '^ *thread ' | grep -v '^  [a-z0-9+=-]* step [0-9]' | tail -40
 done <<< "${TRAIN_RUNS-$default_run}"
 
-default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py tests/gpu/test_keep_weights_cuda.py"
+default_groups="tests/gpu/test_backend_cuda.py -k 'fp32 or bf16';tests/gpu/test_backend_cuda.py -k 'not fp32 and not bf16';tests/kernels tests/gpu/test_streamer_cuda.py tests/gpu/test_device_update_cuda.py tests/gpu/test_grad_ring_cuda.py tests/gpu/test_keep_weights_cuda.py tests/gpu/test_resident_cuda.py"
 IFS=';' read -ra groups <<< "${TEST_GROUPS-$default_groups}"
 for i in "${!groups[@]}"; do
   # eval: a group may quote its arguments (-k 'a or b')

@@ -98,8 +98,10 @@ def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -
         opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
         streamed_params=update_sites.backward_streamed_params(problem, itemsize))
     plan.update_sites, plan.update_reserve = sites, reserve
-    # Resident regions in the order the runtime acquires their bytes (update_sites).
-    resident = {g.region: list(g.pids) for g in reversed(regions) if sites[g.region] == "resident"}
+    # Every region that may become resident, in the order the runtime acquires their bytes:
+    # now the ones update_sites chose, more once measured steps let the reserve grow.
+    resident = {g.region: list(g.pids) for g in reversed(regions)
+                if opts.updates == "resident" and not g.shared}
     streamer.place_updates({g.region: list(g.pids) for g in regions if sites[g.region] == "device"},
                            reserve, resident=resident)
 

@@ -5,8 +5,9 @@ For a region the plan made resident (megatrain.compiler.update_sites):
 
     placement: its bytes (``resident.resident_bytes``: 12 per parameter) are acquired in
         the streamer's reserve, the memory the plan leaves free, for good; one fp32 upcast
-        scratch (the largest such parameter) beside them. Regions that do not fit stay
-        with their other site.
+        scratch (the largest such parameter) beside them. Candidates that do not fit keep
+        their other site until the reserve grows (``Streamer.grow_reserve``, from the
+        second step's measured peak); ``acquire`` then admits them in the same order.
     fetch: the first one adopts the region (``AdamW.make_resident``: master, m, v copied to
         the device once); every fetch then casts the device master into the plan's weight
         buffer on the copy stream, after the region's last update (its event): no PCIe, no
@@ -38,24 +39,38 @@ class ResidentRegions:
     """Per streamer: the resident regions, the reserve bytes each holds, the upcast
     scratch, and the fetch sources and updates through their optimizer."""
 
-    def __init__(self, device: torch.device, params: list, regions: dict[int, list[int]],
+    def __init__(self, device: torch.device, params: list, candidates: dict[int, list[int]],
                  reserve: Reserve):
         self.device = device
         self.params = params
         self.reserve = reserve
+        self.candidates = {r: list(pids) for r, pids in candidates.items()}  # in acquiring order
         self.regions: dict[int, list[int]] = {}
         self.held: dict[int, int] = {}  # region -> reserve bytes it holds
         self.updates = 0  # resident updates run, for tests and benchmarks
         self.demoted: dict[int, str] = {}  # region -> why it left the device
-        numel = max((params[p].numel() for pids in regions.values() for p in pids), default=0)
+        numel = max((params[p].numel() for pids in candidates.values() for p in pids), default=0)
         self._scratch_bytes = 4 * numel
+        self._scratch_held = False
         self._scratch: torch.Tensor | None = None
-        if not regions or not reserve.try_acquire(self._scratch_bytes, "resident upcast scratch"):
-            self._scratch_bytes = 0
-            return
-        for region, pids in regions.items():
-            nbytes = resident_mod.resident_bytes([params[p].shape for p in pids])
-            if reserve.try_acquire(nbytes, f"resident state of region {region}"):
+        self.acquire()
+
+    def acquire(self, keep_free: int = 0) -> None:
+        """Make resident, in order, every candidate region whose bytes fit the reserve
+        with ``keep_free`` bytes of it left over (skipping those that do not fit, as
+        update_sites.resident_sites does at compile time, which this reproduces there);
+        the upcast scratch first. Called at placement, and again when the reserve grows."""
+        if not self._scratch_held:
+            if not self.reserve.fits(self._scratch_bytes + keep_free) or not self.reserve.try_acquire(
+                    self._scratch_bytes, "resident upcast scratch"):
+                return
+            self._scratch_held = True
+        for region, pids in self.candidates.items():
+            if region in self.regions or region in self.demoted:
+                continue
+            nbytes = resident_mod.resident_bytes([self.params[p].shape for p in pids])
+            if self.reserve.fits(nbytes + keep_free) and self.reserve.try_acquire(
+                    nbytes, f"resident state of region {region}"):
                 self.regions[region], self.held[region] = list(pids), nbytes
         if not self.regions:
             self._free_scratch()
@@ -110,8 +125,11 @@ class ResidentRegions:
             self._free_scratch()
 
     def demote_all(self, reason: str) -> None:
+        """Every region home, none to come (another graph holds the device's now)."""
         for region in list(self.regions):
             self.demote(region, reason)
+        for region in self.candidates:
+            self.demoted.setdefault(region, reason)
 
     def _fp32(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         """``grad`` as fp32 laid out like the (contiguous) device master: itself when it is
@@ -123,12 +141,12 @@ class ResidentRegions:
         return self._scratch[:grad.numel()].view(param.shape).copy_(grad)
 
     def _free_scratch(self) -> None:
-        if self._scratch_bytes:
+        if self._scratch_held:
             if self._scratch is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # queued updates may still read it
             self._scratch = None
             self.reserve.release(self._scratch_bytes)
-            self._scratch_bytes = 0
+            self._scratch_held = False
 
 
 def _owner(params: list):

@@ -16,17 +16,15 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.models import Llama, LlamaConfig
+from megatrain.models import Llama
 from megatrain.optim import resident as resident_mod
 
-from .helpers import flat, random_batches, rel, train_eager
-
-VOCAB = 160
+from .helpers import SMALL_VOCAB as VOCAB
+from .helpers import flat, random_batches, rel, small_llama_config, train_eager
 
 
 def llama(tied: bool = False, layers: int = 2) -> Llama:
-    return Llama(LlamaConfig(vocab_size=VOCAB, hidden=64, layers=layers, heads=4, kv_heads=2, ffn=176,
-                             rope_theta=10000.0, tie_embeddings=tied))
+    return Llama(small_llama_config(layers, tied))
 
 
 @pytest.fixture(autouse=True)
@@ -239,3 +237,33 @@ def test_another_graph_placing_resident_regions_sends_the_first_home():
     run(step_a, opt_a, batches[1:])
     opt_a.synchronize()
     assert torch.equal(flat(a.parameters()), ref)
+
+
+def test_a_measured_step_lets_more_regions_become_resident():
+    """Streamer.grow_reserve (on CUDA after the second step, with its allocator peak): the
+    reserve grows to what the measured step left free and the next candidates become
+    resident at their next fetch; training goes on bitwise like the host path."""
+    torch.manual_seed(7)
+    model = llama(layers=3)
+    batches = random_batches(VOCAB, 3, batch=2, seq=8)
+    roomy = train(model, "host", batches[:1], prefetch=0)["plan"]
+    params = dict(model.named_parameters())
+    need = min(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
+               for r in roomy.regions if r.param_fqns)
+    scratch = 4 * max(p.numel() for p in model.parameters())
+    streamed = copy.deepcopy(model)
+    opt, step = compiled(streamed, "resident", prefetch=0,
+                         gpu_memory=roomy.predicted_peak_bytes + scratch + need + need // 2)
+    run(step, opt, batches[:1])
+    streamer = megatrain.explain(step).graphs[0].streamer
+    before, reserve = set(streamer.resident.regions), streamer.reserve.nbytes
+    assert len(before) == 1
+    streamer.grow_reserve(measured_peak=0)  # as if the step had needed nothing beside it
+    assert streamer.reserve.nbytes > reserve
+    assert before < set(streamer.resident.regions) <= set(streamer.resident.candidates)
+    assert streamer.reserve.live <= streamer.reserve.nbytes
+    run(step, opt, batches[1:])
+    assert all(opt.is_resident(params_of) for r in streamer.resident.regions
+               for params_of in (streamer.params[i] for i in streamer.resident.regions[r]))
+    opt.synchronize()
+    assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])

@@ -69,7 +69,8 @@ class Options:
         regions as that free memory holds on the device for good, the regions the next
         forward needs first, then places the rest like "auto": those regions cost no
         host memory traffic and no link bytes at all (megatrain.optim.resident). Their
-        host copies are current only after `opt.synchronize()` (or `state_dict()`);
+        host copies are current only after `opt.synchronize()` (or `state_dict()`), which
+        brings the state home until the next step adopts it again;
         inside `accumulate()`, with clipping or the non-finite check a region goes back
         to the host for good. Not yet measured on the GPU.
     backlog: when the host optimizer lags behind backward, keep the gradients of regions

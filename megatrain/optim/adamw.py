@@ -428,7 +428,7 @@ class AdamW(Optimizer):
         write since the last :meth:`synchronize` is uploaded first."""
         if p not in self._resident:
             return None
-        return self._resident.master(p, self.state, self._describe)
+        return self._resident.master(p, self._describe)
 
     def resident_ready(self, p: Tensor) -> Any:
         """The CUDA event after which ``p``'s device master holds its latest update (None:
@@ -452,9 +452,15 @@ class AdamW(Optimizer):
             self._final[p] = True
         return None
 
+    def flush_resident(self, params: Iterable[Tensor]) -> None:
+        """Make the host copies of resident ``params`` current (they stay resident): the
+        runtime calls it before any other fetch of them from the host (another graph's)."""
+        if len(self._resident):
+            self._resident.flush(self.state, [p for p in params if p in self._resident], self._describe)
+
     def drop_resident(self, params: Iterable[Tensor] | None = None) -> None:
         """Keep ``params`` (default: all) in host memory again, newest values included."""
-        self._resident.drop(self.state, None if params is None else list(params))
+        self._resident.drop(self.state, None if params is None else list(params), self._describe)
 
     def is_resident(self, p: Tensor) -> bool:
         return p in self._resident
@@ -462,7 +468,7 @@ class AdamW(Optimizer):
     def _leave_device(self, params: Sequence[Tensor]) -> None:
         """A host path is about to touch ``params``: resident ones come home first."""
         if len(self._resident):
-            self._resident.drop(self.state, [p for p in params if p in self._resident])
+            self._resident.drop(self.state, [p for p in params if p in self._resident], self._describe)
 
     def wait_params(self, params: Iterable[Tensor]) -> None:
         """Block until every queued update or accumulation touching ``params`` is done,
@@ -543,10 +549,11 @@ class AdamW(Optimizer):
     def synchronize(self) -> None:
         """Block until every queued update has been applied. ``step()`` returns before its
         updates finish when the gradients came region by region from the runtime (see the
-        class docstring), and resident state (``updates="resident"``) reaches the host only
-        here; read or write parameters directly only after this."""
+        class docstring), and resident state (``updates="resident"``) comes home only here
+        (the runtime adopts it afresh at the next fetch, with any host writes made since);
+        read or write parameters directly only after this."""
         self._wait_everything()
-        self._resident.flush(self.state)
+        self._resident.drop(self.state, None, self._describe)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Queued updates hold their own references to the gradients, so dropping p.grad
@@ -606,7 +613,7 @@ class AdamW(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._wait_everything()
         # The loaded state replaces the device copies: the runtime adopts it afresh.
-        self._resident.drop(self.state, flush=False)
+        self._resident.drop_for_load()
         super().load_state_dict(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:

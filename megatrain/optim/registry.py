@@ -8,6 +8,16 @@ _OWNER: dict[int, weakref.ref] = {}
 
 
 def register(params, optimizer) -> None:
+    """``optimizer`` owns ``params`` from now on. A previous owner keeping some of them on
+    the device (updates="resident") brings their newest values home first."""
+    params = list(params)
+    previous: dict[int, tuple] = {}
+    for p in params:
+        old = owner_of(p)
+        if old is not None and old is not optimizer and hasattr(old, "drop_resident"):
+            previous.setdefault(id(old), (old, []))[1].append(p)
+    for old, ps in previous.values():
+        old.drop_resident(ps)
     ref = weakref.ref(optimizer)
     for p in params:
         _OWNER[id(p)] = ref

@@ -15,16 +15,19 @@ The host copy is the authority at rest, the device copy while training:
   step count are copied to the device; the host's ``p._version`` is remembered.
 - ``update``: the same fused kernel as every other path (functional.adamw_) on the device
   tensors, with the group's hyperparameters read now; the host copy is now stale.
-- ``flush`` (``AdamW.synchronize()``, ``state_dict()``, pickling): the device values are
-  copied into the host parameter and host state, which are then current again; the device
-  copies stay. Read or write parameters directly only after ``synchronize()`` (the rule
-  deferred updates already impose, AdamW's docstring).
-- a host write after a flush (``p._version`` moved) is seen at the next fetch: the master
-  is uploaded again. A host write while the device holds newer values would be lost or
-  would lose the device's: it raises and says to call ``synchronize()`` first.
-- ``drop`` (demotion: the optimizer cannot update on the device this step, e.g. inside
-  ``accumulate()``; ``load_state_dict``; another graph takes the device memory): flushed
-  if newer, device copies freed; the host path takes over, bitwise where it continues.
+- ``drop`` (``AdamW.synchronize()``, ``state_dict()``, pickling; a host path touching the
+  parameter; the runtime's demotion, e.g. inside ``accumulate()``): the device values are
+  copied into the host parameter and host state, which are current again, and the device
+  copies are freed; the runtime adopts the host's values afresh at the region's next
+  fetch. So anything written on the host after ``synchronize()`` (``p.data`` included,
+  which no version counter sees; moments, steps) is what training continues from. Read or
+  write parameters directly only after ``synchronize()`` (the rule deferred updates
+  already impose, AdamW's docstring). A host write that bumps ``p._version`` while the
+  device holds newer values raises, saying to call ``synchronize()`` first.
+- ``flush`` (the runtime, before another graph fetches the parameter from the host): the
+  host copy made current, the device copy kept.
+- ``drop_for_load`` (``load_state_dict``): the newest weights come home unless the host
+  parameter was written since (a model state_dict loaded first), moments are replaced.
 
 Numbers: on the CPU (CI) the very same kernel runs on separate CPU tensors, so results are
 bitwise those of the host path. On CUDA the fused kernel rounds like the device-site
@@ -97,20 +100,24 @@ class ResidentState:
         on = lambda t: t.detach().to(device, torch.float32, copy=True).contiguous()  # noqa: E731
         self._entries[p] = _Entry(on(p), on(m), on(v), on(step), p._version)
 
-    def master(self, p: Tensor, state: dict, describe) -> Tensor:
+    def master(self, p: Tensor, describe) -> Tensor:
         """The device master of ``p`` for a weight fetch, uploaded again if the host copy
-        was written since it was last current. Raises where both sides changed."""
+        was written (a version bump) since the adoption. Raises where both sides changed."""
         e = self._entries[p]
         if p._version != e.host_version:
-            if e.dirty:
-                raise RuntimeError(
-                    f"megatrain.AdamW: {describe(p)} was written on the host while its newest "
-                    "value lived on the device (updates='resident'): call opt.synchronize() "
-                    "before reading or writing parameters directly")
+            self._refuse_if_newer(p, e, describe)
             with torch.no_grad():
                 e.master.copy_(p.detach())
             e.host_version = p._version
         return e.master
+
+    @staticmethod
+    def _refuse_if_newer(p: Tensor, e: _Entry, describe) -> None:
+        if e.dirty:
+            raise RuntimeError(
+                f"megatrain.AdamW: {describe(p)} was written on the host while its newest "
+                "value lived on the device (updates='resident'): call opt.synchronize() "
+                "before reading or writing parameters directly")
 
     def ready_event(self, p: Tensor) -> Any:
         return self._entries[p].updated
@@ -131,12 +138,15 @@ class ResidentState:
             e.dirty, e.updated = True, event
 
     @torch.no_grad()
-    def flush(self, state: dict, params: Sequence[Tensor] | None = None) -> None:
-        """Copy newer device values into the host parameters and state."""
+    def flush(self, state: dict, params: Sequence[Tensor] | None = None, describe=repr) -> None:
+        """Copy newer device values into the host parameters and state; raises where the
+        host parameter was written meanwhile (which of the two is right is unknowable)."""
         for p in list(self._entries) if params is None else params:
             e = self._entries.get(p)
             if e is None or not e.dirty:
                 continue
+            if p._version != e.host_version:
+                self._refuse_if_newer(p, e, describe)
             if e.updated is not None:
                 e.updated.synchronize()
             st = state[p]
@@ -150,15 +160,33 @@ class ResidentState:
             st["step"].copy_(e.step)
             e.dirty, e.host_version = False, p._version
 
-    def drop(self, state: dict, params: Sequence[Tensor] | None = None, *, flush: bool = True) -> None:
-        """Stop keeping ``params`` (default all) on the device; newer values are flushed to
-        the host first unless ``flush`` is False (they are about to be overwritten)."""
+    def drop(self, state: dict, params: Sequence[Tensor] | None = None, describe=repr) -> None:
+        """Stop keeping ``params`` (default all) on the device, newer values flushed to the
+        host first; the device copies are freed once nothing queued can read them."""
         params = list(self._entries) if params is None else [p for p in params if p in self._entries]
-        if flush:
-            self.flush(state, params)
-        devices = set()
+        self.flush(state, params, describe)
+        self._free(params)
+
+    @torch.no_grad()
+    def drop_for_load(self, params: Sequence[Tensor] | None = None) -> None:
+        """Before ``load_state_dict`` replaces the moments and steps: keep the newest
+        weights (an optimizer state_dict holds none) unless the host parameter was written
+        since (a model state_dict loaded first: the host's then win); free the rest."""
+        params = list(self._entries) if params is None else [p for p in params if p in self._entries]
         for p in params:
-            devices.add(self._entries.pop(p).master.device)
+            e = self._entries[p]
+            if e.dirty and p._version == e.host_version:
+                if e.updated is not None:
+                    e.updated.synchronize()
+                p.detach().copy_(e.master)
+        self._free(params)
+
+    def _free(self, params: list[Tensor]) -> None:
+        devices = {self._entries[p].master.device for p in params}
         for device in devices:
             if device.type == "cuda":
-                torch.cuda.synchronize(device)  # a fetch on a copy stream may still read it
+                # a fetch on a copy stream may still read a master: no block of theirs may
+                # return to the allocator (and be reused) before it is done
+                torch.cuda.synchronize(device)
+        for p in params:
+            del self._entries[p]

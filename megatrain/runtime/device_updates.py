@@ -22,8 +22,9 @@ gradient backlog of grad_backlog.py); updates in flight never exceed it:
 when the next one would not fit, the oldest ones are waited for (see update_sites.py for
 why the runtime waits rather than changing the site). The host path is taken only where the
 optimizer objects (``device_update_blocker``: clipping, the non-finite check, a micro-batch
-other than the last, an optimizer that is not plain megatrain.AdamW) or the parameters have
-no single owning optimizer.
+other than the last, an optimizer that is not plain megatrain.AdamW), the parameters have
+no single owning optimizer, or one of them gets gradients from several graphs (a weight tied
+across a graph break, handoff_graphs.py: its contributions are summed on the host).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 
 from ..optim import device_update
 from ..optim.registry import owner_of
+from . import handoff_graphs
 from .layout import FlatLayout
 from .pool import DevicePool, Reserve
 
@@ -85,6 +87,12 @@ class DeviceUpdates:
                 self._launch(g, pids)
         return g.views is not None
 
+    def forget(self, regions) -> None:
+        """Leave ``regions`` to another path from the next backward on (resident state)."""
+        for r in regions:
+            self.regions.pop(r, None)
+            self._index.pop(r, None)
+
     def retire(self) -> None:
         """Return the pool bytes of updates whose copy back has completed (their errors
         surface from the optimizer: wait_params, step)."""
@@ -113,8 +121,8 @@ class DeviceUpdates:
         allows it now, with its bytes acquired and its fp32 buffer allocated."""
         params = [self.params[p] for p in pids]
         opt = _willing_owner(params)
-        if opt is None:
-            return _Gathering()
+        if opt is None or any(map(handoff_graphs.several, params)):
+            return _Gathering()  # several graphs' gradients of one weight: summed on the host
         nbytes = device_update.held_bytes([p.shape for p in params])
         what = f"device update of region {region}"
         if not self._make_room(nbytes) or not self.reserve.try_acquire(nbytes, what):

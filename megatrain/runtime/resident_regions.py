@@ -32,7 +32,12 @@ import torch
 
 from ..optim import resident as resident_mod
 from ..optim.registry import owner_of
+from . import handoff_graphs
 from .pool import Reserve
+
+
+_TIED = ("a parameter's gradient comes from several graphs (a weight tied across a graph "
+         "break): summed in p.grad on the host")
 
 
 class ResidentRegions:
@@ -76,17 +81,24 @@ class ResidentRegions:
             self._free_scratch()
 
     def sources(self, region: int, host_params: list) -> list | None:
-        """The device fp32 masters to fetch ``region``'s weights from, in ``host_params``
-        order, with the events to wait for; None: fetch from the host."""
+        """The device fp32 masters to fetch ``host_params`` (all of ``region``'s, or some:
+        a backward fetches only the weights it reads) from, with the events to wait for;
+        None: fetch from the host (the caller makes the host copies current first)."""
         pids = self.regions.get(region)
-        if pids is None or {id(p) for p in host_params} != {id(self.params[i]) for i in pids}:
+        if pids is None:
             return None
-        opt = _owner(host_params)
+        params = [self.params[i] for i in pids]
+        if not {id(p) for p in host_params} <= {id(p) for p in params}:
+            return None  # another module's parameters (a graph dynamo runs for several)
+        opt = _owner(params)
         if opt is None:
             self.demote(region, "the parameters have no single megatrain.AdamW owner")
             return None
-        if not all(opt.is_resident(p) for p in host_params):
-            reason = opt.make_resident(host_params, self.device)
+        if any(handoff_graphs.several(p) for p in params):
+            self.demote(region, _TIED)
+            return None
+        if not all(opt.is_resident(p) for p in params):
+            reason = opt.make_resident(params, self.device)
             if reason is not None:
                 self.demote(region, reason)
                 return None
@@ -97,6 +109,9 @@ class ResidentRegions:
         the host path (False: the region is not resident, or no longer)."""
         if region not in self.regions:
             return False
+        if handoff_graphs.several(param):
+            self.demote(region, _TIED)
+            return False
         opt = owner_of(param)
         if opt is None or not hasattr(opt, "is_resident") or not opt.is_resident(param):
             return False  # not adopted yet, or a host path took it home: the host path
@@ -106,6 +121,11 @@ class ResidentRegions:
             return False
         self.updates += 1
         return True
+
+    @property
+    def held_bytes(self) -> int:
+        """Reserve bytes held for good: the regions' state and the scratch."""
+        return sum(self.held.values()) + (self._scratch_bytes if self._scratch_held else 0)
 
     def demote(self, region: int, reason: str) -> None:
         """The region leaves the device for good: newest values to the host, bytes back."""

@@ -29,12 +29,11 @@ import concurrent.futures
 import itertools
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from . import graph_order
+from . import graph_order, handoff_graphs
 from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
 from .grad_backlog import GradBacklog, Held
@@ -66,13 +65,15 @@ _PUMP = ("backlog",)
 # cast kernel after each chunk's copy costs ~1% of the copy, small beside a layer.
 CAST_CHUNK = 16 << 20
 
-# updates="resident": after this step (the first steady one) the reserve may grow to what
-# the step measured free, less this fraction of gpu_memory (Streamer.grow_reserve).
+# updates="resident": after this many whole steps of the graph alone were measured (the
+# first one adopts and autotunes) the reserve may grow to what the last one left free, less
+# this fraction of gpu_memory (Streamer.grow_reserve).
 MEASURED_STEP = 2
 RESERVE_MARGIN = 1 / 16
 
 _REGISTRY: list["Streamer"] = []
 _LOCK = threading.Lock()
+_last_begun: int | None = None  # the streamer whose step began last (grow_reserve)
 
 
 def register(streamer: "Streamer") -> int:
@@ -84,25 +85,6 @@ def register(streamer: "Streamer") -> int:
 
 def get(index: int) -> "Streamer":
     return _REGISTRY[index]
-
-
-# id(parameter) -> the streamers (compiled graphs) that hand its gradient to an optimizer.
-# A parameter handed in by two graphs (a weight tied across a graph break) gets a gradient
-# from each backward, and neither graph knows whether its own is the step's last: such a
-# parameter's gradients go to p.grad, summed like autograd does, and step() applies them.
-_HANDOFF_GRAPHS: dict[int, set[int]] = {}
-
-
-def _note_handoff_graph(param: torch.Tensor, streamer: int) -> None:
-    graphs = _HANDOFF_GRAPHS.get(id(param))
-    if graphs is None:
-        graphs = _HANDOFF_GRAPHS[id(param)] = set()
-        weakref.finalize(param, _HANDOFF_GRAPHS.pop, id(param), None)
-    graphs.add(streamer)
-
-
-def _handed_off_by_several_graphs(param: torch.Tensor) -> bool:
-    return len(_HANDOFF_GRAPHS.get(id(param), ())) > 1
 
 
 @dataclass
@@ -214,7 +196,8 @@ class Streamer:
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
         self.resident: ResidentRegions | None = None  # regions whose AdamW state lives here
         self._resident_claimed = False
-        self._steps = 0  # steps ended (end_step), for grow_reserve
+        # grow_reserve's measurement: whole steps of this graph alone (begin/end_step)
+        self._measurable, self._begun_since_end, self._measured_steps = False, 0, 0
         self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
         self.backlog: GradBacklog | None = None  # enable_backlog
         self._grad_bytes: dict[int, int] = {}  # region -> its gradients' slab reservation
@@ -243,7 +226,13 @@ class Streamer:
 
     # -- step boundaries -------------------------------------------------------------
     def begin_step(self) -> None:
+        global _last_begun
         self._phase, self._awaiting_first = "forward", True
+        # A step measures this graph's whole step only if no other graph began since this
+        # one last did, and this graph runs once per step (not once per module).
+        self._measurable = _last_begun in (None, self.index) and self._begun_since_end == 0
+        _last_begun = self.index
+        self._begun_since_end += 1
         if self.resident is not None and not self._resident_claimed:
             self._resident_claimed = True
             self._send_other_residents_home()
@@ -260,12 +249,18 @@ class Streamer:
 
     def end_step(self) -> None:
         self.stats.pool_peak = self.pool.peak
+        measured = None
         if self.cuda:
-            self.stats.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self.stats.cuda_base
+            top = torch.cuda.max_memory_allocated(self.device)
+            self.stats.cuda_peak = top - self.stats.cuda_base
+            measured = top
         self.last_stats = self.stats
-        self._steps += 1
-        if self._steps == MEASURED_STEP and self.cuda and self.resident is not None:
-            self.grow_reserve(self.stats.cuda_peak)
+        whole = self._measurable and _last_begun == self.index and self._begun_since_end == 1
+        self._begun_since_end = 0
+        if whole and measured is not None and self.resident is not None:
+            self._measured_steps += 1
+            if self._measured_steps == MEASURED_STEP:
+                self.grow_reserve(measured)
 
     def grow_reserve(self, measured_peak: int) -> None:
         """Lend resident regions what a measured step left free beyond the plan's proof.
@@ -274,16 +269,16 @@ class Streamer:
         the planner's walk counts as separate tensors: at 1.3B/16k it counts three fp32
         [tokens, vocab] tensors in the loss's backward that Inductor never makes, ~5 GiB
         of the 12 GiB budget (bench/results/NOTES.md, session 12). Static shapes repeat the
-        same step, so the second step's peak (``measured_peak``: allocator bytes above the
-        step's start, which hold the resident state and the cast staging; the first step
-        also allocates them and autotunes) is what later steps need, device updates and
-        backlog in flight included. The reserve grows (never shrinks) to
-        ``gpu_memory - measured_peak - staging - gpu_memory/16`` and more candidate
-        regions become resident, keeping room for one device-site update in flight."""
+        same step, so the second whole step's allocator peak (``measured_peak``: every
+        byte allocated on the device at the step's high-water mark, whoever holds it; the
+        first step also adopts resident state and autotunes) is what later steps need,
+        device updates and backlog in flight included. The reserve grows (never shrinks)
+        to ``gpu_memory - (measured_peak - resident bytes held) - gpu_memory/16``; more
+        candidate regions become resident, keeping room for one device-site update."""
         if self.reserve is None or self.resident is None:
             return
-        staging = self._cast_chunk.numel() * 4 if self._cast_chunk is not None else 0
-        total = self.pool.budget - measured_peak - staging - int(self.pool.budget * RESERVE_MARGIN)
+        margin = int(self.pool.budget * RESERVE_MARGIN)
+        total = self.pool.budget - (measured_peak - self.resident.held_bytes) - margin
         if total <= self.reserve.nbytes:
             return
         self.reserve.nbytes = total
@@ -291,8 +286,10 @@ class Streamer:
         if self.device_updates is not None:
             keep_free = max((device_update.held_bytes([self.params[p].shape for p in pids])
                              for r, pids in self.device_updates.regions.items()
-                             if r not in self.resident.candidates), default=0)
+                             if r not in self.resident.regions), default=0)
         self.resident.acquire(keep_free)
+        if self.device_updates is not None:
+            self.device_updates.forget(list(self.resident.regions))
 
     def layout(self, shapes) -> FlatLayout:
         key = tuple(tuple(s) for s in shapes)
@@ -304,6 +301,7 @@ class Streamer:
     # -- weights in ------------------------------------------------------------------
     def fetch_now(self, param: torch.Tensor) -> torch.Tensor:
         """Unscheduled fetch (only reached when a graph runs without the transfer pass)."""
+        _host_copies_current([param])
         return param.detach().to(self.device, self.compute_dtype, copy=True)
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
@@ -374,6 +372,7 @@ class Streamer:
             self.stats.fetch_paths["resident"] += 1
             entry.done = self._copy_resident(flat, lay, resident)
             return entry
+        _host_copies_current(host_params)
         # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
@@ -569,7 +568,7 @@ class Streamer:
         self._expect_param = dict(per_param)
         self._expect_region = dict(per_region)
         for pid in per_param:
-            _note_handoff_graph(self.params[pid], self.index)
+            handoff_graphs.note(self.params[pid], self.index)
         if self._handoff is None:
             self._handoff = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megatrain-grads")
 
@@ -668,7 +667,7 @@ class Streamer:
         that takes pieces."""
         return (self._expect_param[param_id] == 1 and param.is_contiguous()
                 and hasattr(owner_of(param), "submit_pieces")
-                and not _handed_off_by_several_graphs(param))
+                and not handoff_graphs.several(param))
 
     def _to_ring(self, grad: torch.Tensor, param: torch.Tensor, region: int, dtype: torch.dtype) -> None:
         """Copy one gradient into the ring piece by piece (CUDA: from a device snapshot, on
@@ -1053,12 +1052,24 @@ class Streamer:
         self.end_step()
 
 
+def _host_copies_current(params: list) -> None:
+    """Before a fetch from host memory: parameters another graph keeps resident (AdamW
+    state on the device, updates="resident") have their newest values copied home."""
+    owners: dict[int, tuple] = {}
+    for p in params:
+        opt = owner_of(p)
+        if opt is not None and hasattr(opt, "flush_resident"):
+            owners.setdefault(id(opt), (opt, []))[1].append(p)
+    for opt, ps in owners.values():
+        opt.flush_resident(ps)
+
+
 def _by_owner(params: list, values: list) -> dict[int, tuple]:
     """(optimizer, params, values) per owning optimizer, keyed by its id; None for the
     parameters whose gradients go to p.grad (no optimizer, or several graphs hand them in)."""
     owners: dict[int, tuple] = {}
     for p, v in zip(params, values):
-        opt = None if _handed_off_by_several_graphs(p) else owner_of(p)
+        opt = None if handoff_graphs.several(p) else owner_of(p)
         entry = owners.setdefault(id(opt), (opt, [], []))
         entry[1].append(p)
         entry[2].append(v)

@@ -103,6 +103,9 @@ def test_host_copies_are_stale_until_synchronize():
     for i, st in state["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(st[key], ref["state"][i][key]), (i, key)
+    # synchronize() brought them home; the next fetch adopts them afresh
+    assert not any(opt.is_resident(p) for p in streamed.parameters())
+    run(step, opt, batches[:1])
     assert all(opt.is_resident(p) for n, p in streamed.named_parameters() if n in kept)
 
 
@@ -139,7 +142,11 @@ def test_accumulation_and_clipping_send_regions_home_and_stay_exact():
     assert torch.equal(clipped["params"], train(model, "host", batches, max_grad_norm=0.05)["params"])
 
 
-def test_host_writes_after_synchronize_are_seen_and_before_it_refused():
+@pytest.mark.parametrize("write", ["in place", "through .data"])
+def test_host_writes_after_synchronize_are_seen_and_before_it_refused(write):
+    """After synchronize() the host copies are the truth again, whatever writes them (an
+    in-place op bumps the version counter, ``p.data`` does not); a write while the device
+    holds newer values is refused where the version counter shows it."""
     torch.manual_seed(3)
     model = llama()
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
@@ -151,7 +158,7 @@ def test_host_writes_after_synchronize_are_seen_and_before_it_refused():
         opt.synchronize()
         with torch.no_grad():
             for p in streamed.parameters():
-                p.mul_(0.5)
+                (p if write == "in place" else p.data).mul_(0.5)
         run(step, opt, batches[1:])
         opt.synchronize()
         out[updates] = flat(streamed.parameters())
@@ -267,3 +274,66 @@ def test_a_measured_step_lets_more_regions_become_resident():
                for params_of in (streamer.params[i] for i in streamer.resident.regions[r]))
     opt.synchronize()
     assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "break after the embedding", "break inside the layer loop"])
+def test_partial_fetches_and_graph_breaks_train_bitwise_like_host(name):
+    """GPT-2's backward fetches only the weights it reads (a subset of a region): they come
+    from the device masters too. A weight tied across a graph break gets a gradient from
+    each graph: its regions go home (summed in p.grad), and the other graph's fetches of
+    resident weights read current host copies."""
+    from megatrain.models.gpt2 import GPT2, GPT2Config
+
+    from .helpers import breaking_llama
+
+    torch.manual_seed(8)
+    if name == "gpt2":
+        model = GPT2(GPT2Config(vocab_size=VOCAB, hidden=64, layers=2, heads=4, max_seq=32))
+    else:
+        model = breaking_llama(name.removeprefix("break "), small_llama_config(3, tied=True))
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    res = train(model, "resident", batches)
+    assert torch.equal(res["params"], train(model, "host", batches)["params"])
+    if name == "gpt2":
+        assert res["resident"].updates > 0 and not res["resident"].demoted
+
+
+def test_an_eval_graph_reads_the_newest_weights():
+    """A no-grad call compiles a graph of its own, which fetches from the host: the newest
+    device values are copied home first, and stay resident for training."""
+    torch.manual_seed(9)
+    model = llama()
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    evals = {}
+    for updates in ("resident", "host"):
+        streamed = copy.deepcopy(model)
+        opt, step = compiled(streamed, updates)
+        run(step, opt, batches[:2])
+        with torch.no_grad():
+            evals[updates] = step(batches[2][0], labels=batches[2][1]).item()
+        if updates == "resident":
+            assert any(opt.is_resident(p) for p in streamed.parameters())
+    assert evals["resident"] == evals["host"]
+
+
+def test_optimizer_state_alone_or_a_new_optimizer_keep_the_newest_weights():
+    """An optimizer state_dict holds no weights: loading one keeps the device's newest
+    weights (no model state was loaded). A new megatrain.AdamW over the same parameters
+    takes over from the old one's newest values."""
+    torch.manual_seed(10)
+    model = llama()
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    out = {}
+    for updates in ("resident", "host"):
+        streamed = copy.deepcopy(model)
+        opt, step = compiled(streamed, updates)
+        run(step, opt, batches[:1])
+        saved = copy.deepcopy(opt.state_dict())
+        run(step, opt, batches[1:2])
+        opt.load_state_dict(saved)
+        run(step, opt, batches[2:])
+        fresh = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1)
+        run(step, fresh, batches[:1])
+        fresh.synchronize()
+        out[updates] = flat(streamed.parameters())
+    assert torch.equal(out["resident"], out["host"])

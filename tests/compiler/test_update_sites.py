@@ -266,3 +266,18 @@ def test_updates_in_flight_stay_within_the_reserve(monkeypatch):
     opt.synchronize()
     updates.retire()
     assert pool.live == 0 and updates.launched == 2
+
+
+def test_a_weight_tied_across_a_graph_break_is_summed_on_the_host():
+    """Each graph's backward hands in a contribution of the tied weight: a device-site
+    update at either hand-off would apply one contribution and lose the other, and here it
+    even wrote the weight before the other graph's backward read it (autograd refused);
+    the host sums them in p.grad (runtime/handoff_graphs.py)."""
+    from .helpers import breaking_llama, small_llama_config, train_megatrain
+
+    torch.manual_seed(11)
+    model = breaking_llama("after the embedding", small_llama_config(2, tied=True))
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    out = {u: train_megatrain(model, batches, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                               "updates": u})["params"] for u in ("device", "host")}
+    assert torch.equal(out["device"], out["host"])

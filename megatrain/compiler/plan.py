@@ -64,6 +64,17 @@ class GraphPlan:
         return s.pool_peak
 
     @property
+    def resident_regions(self) -> dict[int, str]:
+        """updates="resident": the regions whose AdamW state lives on the device now (the
+        runtime's live set: ``update_sites`` is the compile's choice, and the set grows
+        once a measured step shows room, or shrinks as regions go home), with "resident",
+        and those sent home with why."""
+        r = getattr(self.streamer, "resident", None)
+        if r is None:
+            return {}
+        return {**dict.fromkeys(r.regions, "resident"), **r.demoted}
+
+    @property
     def measured_records(self) -> list:
         """The last step's measured intervals from the runtime's CUDA events (weight copies,
         compute-stream waits for them, region compute, gradient copies); [] before a CUDA

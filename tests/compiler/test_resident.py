@@ -268,6 +268,8 @@ def test_a_measured_step_lets_more_regions_become_resident():
     streamer.grow_reserve(measured_peak=0)  # as if the step had needed nothing beside it
     assert streamer.reserve.nbytes > reserve
     assert before < set(streamer.resident.regions) <= set(streamer.resident.candidates)
+    live = megatrain.explain(step).graphs[0].resident_regions
+    assert live == dict.fromkeys(streamer.resident.regions, "resident")
     assert streamer.reserve.live <= streamer.reserve.nbytes
     run(step, opt, batches[1:])
     assert all(opt.is_resident(params_of) for r in streamer.resident.regions

@@ -92,13 +92,13 @@ class ResidentState:
         """Copy ``p``'s master, moments and step to ``device`` (state created as the host
         path would: zero moments, step 0)."""
         st = state[p]
-        if st:
-            m, v, step = st["exp_avg"], st["exp_avg_sq"], st["step"]
-        else:
-            m = v = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            step = torch.zeros((), dtype=torch.float32)
         on = lambda t: t.detach().to(device, torch.float32, copy=True).contiguous()  # noqa: E731
-        self._entries[p] = _Entry(on(p), on(m), on(v), on(step), p._version)
+        if st:
+            m, v, step = on(st["exp_avg"]), on(st["exp_avg_sq"]), on(st["step"])
+        else:  # created where they live (no host zeros to upload); the host's at the flush
+            m, v = (torch.zeros(p.shape, dtype=torch.float32, device=device) for _ in range(2))
+            step = torch.zeros((), dtype=torch.float32, device=device)
+        self._entries[p] = _Entry(on(p), m, v, step, p._version)
 
     def master(self, p: Tensor, describe) -> Tensor:
         """The device master of ``p`` for a weight fetch, uploaded again if the host copy

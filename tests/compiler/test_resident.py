@@ -62,6 +62,17 @@ def train(model, updates, batches, **kw):
                 resident=plan.streamer.resident)
 
 
+def side_by_side(model, scenario, **options):
+    """``scenario(model copy, optimizer, compiled step, updates)`` with updates="resident"
+    and with "host", each on a fresh copy of ``model``: what each returned, by updates."""
+    out = {}
+    for updates in ("resident", "host"):
+        streamed = copy.deepcopy(model)
+        opt, step = compiled(streamed, updates, **options)
+        out[updates] = scenario(streamed, opt, step, updates)
+    return out
+
+
 @pytest.mark.parametrize("tied,precision", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
 def test_resident_trains_bitwise_like_host_and_like_eager(tied, precision):
     torch.manual_seed(0)
@@ -116,10 +127,8 @@ def test_accumulation_and_clipping_send_regions_home_and_stay_exact():
     torch.manual_seed(2)
     model = llama(layers=1)
     (ids0, labels0), (ids1, labels1) = random_batches(VOCAB, 2, batch=2, seq=8)
-    out = {}
-    for updates in ("resident", "host"):
-        streamed = copy.deepcopy(model)
-        opt, step = compiled(streamed, updates)
+
+    def micro_batches(streamed, opt, step, updates):
         for _ in range(2):
             with opt.accumulate():
                 (step(ids0, labels=labels0) / 2).backward()
@@ -127,12 +136,14 @@ def test_accumulation_and_clipping_send_regions_home_and_stay_exact():
             opt.step()
             opt.zero_grad()
         opt.synchronize()
-        out[updates] = flat(streamed.parameters())
         resident = megatrain.explain(step).graphs[0].streamer.resident
         if updates == "resident":
             assert resident.demoted and not resident.regions and resident.updates == 0
             assert resident.reserve.live == 0
             assert "accumulate()" in next(iter(resident.demoted.values()))
+        return flat(streamed.parameters())
+
+    out = side_by_side(model, micro_batches)
     assert torch.equal(out["resident"], out["host"])
 
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
@@ -150,10 +161,8 @@ def test_host_writes_after_synchronize_are_seen_and_before_it_refused(write):
     torch.manual_seed(3)
     model = llama()
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
-    out = {}
-    for updates in ("resident", "host"):
-        streamed = copy.deepcopy(model)
-        opt, step = compiled(streamed, updates)
+
+    def halve_between_steps(streamed, opt, step, updates):
         run(step, opt, batches[:1])
         opt.synchronize()
         with torch.no_grad():
@@ -161,13 +170,16 @@ def test_host_writes_after_synchronize_are_seen_and_before_it_refused(write):
                 (p if write == "in place" else p.data).mul_(0.5)
         run(step, opt, batches[1:])
         opt.synchronize()
-        out[updates] = flat(streamed.parameters())
+        trained = flat(streamed.parameters())
         if updates == "resident":
             run(step, opt, batches[:1])
             with torch.no_grad():  # the device holds newer values now: this write is refused
                 next(streamed.parameters()).add_(1.0)
             with pytest.raises(RuntimeError, match=r"call opt.synchronize\(\) before"):
                 step(*batches[0][:1], labels=batches[0][1])
+        return trained
+
+    out = side_by_side(model, halve_between_steps)
     assert torch.equal(out["resident"], out["host"])
 
 
@@ -306,15 +318,15 @@ def test_an_eval_graph_reads_the_newest_weights():
     torch.manual_seed(9)
     model = llama()
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
-    evals = {}
-    for updates in ("resident", "host"):
-        streamed = copy.deepcopy(model)
-        opt, step = compiled(streamed, updates)
+
+    def train_then_eval(streamed, opt, step, updates):
         run(step, opt, batches[:2])
         with torch.no_grad():
-            evals[updates] = step(batches[2][0], labels=batches[2][1]).item()
-        if updates == "resident":
-            assert any(opt.is_resident(p) for p in streamed.parameters())
+            loss = step(batches[2][0], labels=batches[2][1]).item()
+        assert any(opt.is_resident(p) for p in streamed.parameters()) == (updates == "resident")
+        return loss
+
+    evals = side_by_side(model, train_then_eval)
     assert evals["resident"] == evals["host"]
 
 
@@ -325,10 +337,8 @@ def test_optimizer_state_alone_or_a_new_optimizer_keep_the_newest_weights():
     torch.manual_seed(10)
     model = llama()
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
-    out = {}
-    for updates in ("resident", "host"):
-        streamed = copy.deepcopy(model)
-        opt, step = compiled(streamed, updates)
+
+    def reload_and_replace(streamed, opt, step, updates):
         run(step, opt, batches[:1])
         saved = copy.deepcopy(opt.state_dict())
         run(step, opt, batches[1:2])
@@ -337,5 +347,7 @@ def test_optimizer_state_alone_or_a_new_optimizer_keep_the_newest_weights():
         fresh = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1)
         run(step, fresh, batches[:1])
         fresh.synchronize()
-        out[updates] = flat(streamed.parameters())
+        return flat(streamed.parameters())
+
+    out = side_by_side(model, reload_and_replace)
     assert torch.equal(out["resident"], out["host"])

@@ -70,9 +70,10 @@ class Options:
         forward needs first, then places the rest like "auto": those regions cost no
         host memory traffic and no link bytes at all (megatrain.optim.resident). Their
         host copies are current only after `opt.synchronize()` (or `state_dict()`), which
-        brings the state home until the next step adopts it again;
-        inside `accumulate()`, with clipping or the non-finite check a region goes back
-        to the host for good. Not yet measured on the GPU.
+        brings the state home until the next step adopts it again. Inside
+        `accumulate()`, with clipping or the non-finite check their gradients wait in a
+        device buffer (4 B/param more, from the same free memory) for `step()`. Not yet
+        measured on the GPU.
     backlog: when the host optimizer lags behind backward, keep the gradients of regions
         that find no free host slab on the device (within the memory the plan leaves free;
         beyond it backward waits for a slab as without) and send them to the host earliest

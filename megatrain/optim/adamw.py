@@ -40,6 +40,8 @@ _TORCH_KEYS = {
     "decoupled_weight_decay": True,
 }
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# update_resident's answer when the gradients must wait on the device and have no buffer yet.
+RESIDENT_NEEDS_BUFFERS = "resident gradients must wait on the device: lend them buffers"
 
 
 class AdamW(Optimizer):
@@ -82,6 +84,12 @@ class AdamW(Optimizer):
       compute device instead (a planner choice, see :mod:`megatrain.optim.device_update`):
       master, m and v cross the link, the same kernel updates them there and they come
       back; the returned handle is waited for like a host update.
+    - ``make_resident(params, device)`` / ``update_resident(params, device_grads)`` (compile
+      option ``updates="resident"``, megatrain.optim.resident): master, m and v of
+      ``params`` live on the device between steps and are updated there; ``step()`` applies
+      gradients that had to wait (micro-batches, clipping, the non-finite check) there too.
+      The host copies are current after ``synchronize()``/``state_dict()``, which bring the
+      state home (the runtime adopts it again at the next fetch).
 
     Args:
         max_grad_norm: clip the global gradient 2-norm to this, inside ``step()``; the
@@ -411,10 +419,9 @@ class AdamW(Optimizer):
     def make_resident(self, params: Sequence[Tensor], device: torch.device | str) -> str | None:
         """Keep the master, m and v of ``params`` on ``device`` from now on: their updates
         (:meth:`update_resident`) and the runtime's weight fetches (:meth:`resident_master`)
-        touch no host memory. Returns why not (None: done): the reasons
-        :meth:`device_update_blocker` gives, which every step's update would meet too."""
+        touch no host memory. Returns why not (None: done)."""
         params = list(params)
-        reason = self.device_update_blocker(params)
+        reason = self._resident_blocker(params)
         if reason is not None:
             return reason
         dev = device_update.resolve_device(device)
@@ -436,20 +443,56 @@ class AdamW(Optimizer):
         return self._resident.ready_event(p)
 
     def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> str | None:
-        """Apply the final gradients of resident ``params`` (fp32, on their device, laid out
-        like the params) on the device now, in stream order, with the group's
-        hyperparameters read now. Returns why not (None: applied): then nothing happened
-        and the caller drops the residency and takes the host path (``submit``)."""
+        """Hand in gradients of resident ``params`` (fp32, on their device, laid out like
+        the params), like :meth:`submit`: applied on the device now, in stream order, with
+        the group's hyperparameters read now; or, where the update must wait (inside
+        ``accumulate()``, with clipping or the non-finite check), summed into the device
+        buffers the caller lent (:meth:`give_resident_buffers`) and applied by ``step()``.
+        Returns why not (None: taken): ``RESIDENT_NEEDS_BUFFERS`` (lend buffers, call
+        again) or a reason to take the host path instead (the caller drops the residency)."""
         params, grads = list(params), list(grads)
         if not all(p in self._resident for p in params):
             return "a parameter is not resident"
-        reason = self.device_update_blocker(params)
+        reason = self._resident_blocker(params, final=self._accumulating == 0)
         if reason is not None:
             return reason
-        for gi, (ps, gs) in self._split_by_group(params, grads).items():
-            self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
+        final = self._accumulating == 0
+        immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
+        if not immediate or self._resident.has_grads(params):
+            if self._resident.needs_buffers(params):
+                return RESIDENT_NEEDS_BUFFERS
+            grads = [self._resident.accumulate(p, g) for p, g in zip(params, grads)]
+        if immediate:
+            for gi, (ps, gs) in self._split_by_group(params, grads).items():
+                self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
+            self._resident.clear_grads(params)
+        elif final:
+            self._resident.mark_pending(params)
+        for p in params if final else ():
+            self._final[p] = immediate
+        return None
+
+    def give_resident_buffers(self, params: Sequence[Tensor], buffers: Sequence[Tensor]) -> None:
+        """Lend device fp32 buffers (one per parameter, its shape, contiguous) in which
+        gradients of resident ``params`` wait; kept until the parameters leave the device."""
+        self._resident.give_buffers(list(params), list(buffers))
+
+    def _resident_blocker(self, params: list[Tensor], final: bool = False) -> str | None:
+        """Why ``params`` cannot live (or be updated) on the device now, or None."""
+        if type(self).submit is not AdamW.submit:
+            return (f"{type(self).__name__} hands gradients to its state its own way: the "
+                    "resident state knows megatrain.AdamW's only")
+        self.wait_params(params)
         for p in params:
-            self._final[p] = True
+            if p not in self._where:
+                what = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+                return f"a parameter ({what}) is not managed by this optimizer"
+            if final and p in self._final:
+                return (f"{self._describe(p)} already received its last gradient for this step; "
+                        "call opt.step() between steps")
+            if p.grad is not None:
+                return (f"{self._describe(p)} has a gradient in p.grad on the host, which the "
+                        "device state would ignore")
         return None
 
     def flush_resident(self, params: Iterable[Tensor]) -> None:
@@ -500,11 +543,11 @@ class AdamW(Optimizer):
             self._wait_for_step(fresh)
             work = self._pending_grads()
             self._leave_device([p for ps, _ in work.values() for p in ps])
+            on_device = self._resident.pending()  # final gradients waiting on the device
             coef = None
-            if work and (self.max_grad_norm is not None or self.skip_nonfinite):
-                params = [p for ps, _ in work.values() for p in ps]
-                grads = [g for _, gs in work.values() for g in gs]
-                norms = self._grad_norms(params, grads)
+            if (work or on_device) and (self.max_grad_norm is not None or self.skip_nonfinite):
+                params, grads = self._in_group_order(work, on_device)
+                norms = [n.cpu() for n in self._grad_norms(params, grads)]  # device ones too
                 total = None
                 if self.max_grad_norm is not None:
                     total = functional.total_norm(norms)
@@ -521,6 +564,8 @@ class AdamW(Optimizer):
                 )
                 for gi, ps, gs in self._update_order(work)
             ]
+            if on_device:
+                self._apply_on_device(on_device, coef)
             if not self._regions:
                 for f in futures:
                     f.result()
@@ -531,6 +576,35 @@ class AdamW(Optimizer):
             for d in fresh:
                 d.fresh = False
         return loss
+
+    def _in_group_order(self, work: dict[int, tuple[list[Tensor], list[Tensor]]],
+                        on_device: dict[Tensor, Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """Every pending (param, gradient), host ones from ``work`` and device ones, in
+        param-group order: the order clip_grad_norm_ stacks the norms in (bits)."""
+        host = {p: g for ps, gs in work.values() for p, g in zip(ps, gs)}
+        params, grads = [], []
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = host.get(p)
+                if g is None:
+                    g = on_device.get(p)
+                if g is not None:
+                    params.append(p)
+                    grads.append(g)
+        return params, grads
+
+    @torch.no_grad()
+    def _apply_on_device(self, on_device: dict[Tensor, Tensor], coef: Tensor | None) -> None:
+        """step(): the final gradients that waited on the device, clipped like the host's,
+        applied there (stream order); the buffers are free for the next step."""
+        params = list(on_device)
+        grads = [on_device[p] for p in params]
+        if coef is not None:
+            for g in grads:
+                g.mul_(coef.to(g.device))
+        for gi, (ps, gs) in self._split_by_group(params, grads).items():
+            self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
+        self._resident.clear_grads(params)
 
     def _wait_for_step(self, fresh: list[Deferred]) -> None:
         """What step() waits for: everything, except the deferred updates of this step
@@ -561,6 +635,7 @@ class AdamW(Optimizer):
         if not set_to_none:
             self._wait_everything()
         super().zero_grad(set_to_none)
+        self._resident.clear_grads()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and "params" in param_group:

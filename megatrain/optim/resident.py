@@ -15,10 +15,14 @@ The host copy is the authority at rest, the device copy while training:
   step count are copied to the device; the host's ``p._version`` is remembered.
 - ``update``: the same fused kernel as every other path (functional.adamw_) on the device
   tensors, with the group's hyperparameters read now; the host copy is now stale.
+- ``accumulate`` / ``pending``: where the update must wait (micro-batches under
+  ``accumulate()``, clipping, the non-finite check) the gradient is summed into a device
+  buffer the runtime lends (as the host path sums into ``p.grad``), and ``AdamW.step()``
+  takes its norm beside the host's and applies it there.
 - ``drop`` (``AdamW.synchronize()``, ``state_dict()``, pickling; a host path touching the
-  parameter; the runtime's demotion, e.g. inside ``accumulate()``): the device values are
-  copied into the host parameter and host state, which are current again, and the device
-  copies are freed; the runtime adopts the host's values afresh at the region's next
+  parameter; the runtime's demotion): the device values are copied into the host
+  parameter and host state, which are current again (a waiting gradient becomes
+  ``p.grad``), and the device copies are freed; the runtime adopts the host's values afresh at the region's next
   fetch. So anything written on the host after ``synchronize()`` (``p.data`` included,
   which no version counter sees; moments, steps) is what training continues from. Read or
   write parameters directly only after ``synchronize()`` (the rule deferred updates
@@ -73,6 +77,12 @@ class _Entry:
     host_version: int  # p._version when the host copy was last current
     dirty: bool = False  # the device holds values the host has not seen
     updated: Any = None  # CUDA event after the last update (None on the CPU)
+    # The gradient kept on the device where the update must wait (micro-batches under
+    # accumulate(), clipping, the non-finite check): a buffer the runtime lends for good,
+    # whether it holds this step's sum, and whether that sum is final (step() applies it).
+    grad: Tensor | None = None
+    has_grad: bool = False
+    pending: bool = False
 
 
 class ResidentState:
@@ -137,6 +147,43 @@ class ResidentState:
         for e in entries:
             e.dirty, e.updated = True, event
 
+    # -- gradients that wait on the device ------------------------------------------------
+    def needs_buffers(self, params: Sequence[Tensor]) -> bool:
+        return any(self._entries[p].grad is None for p in params)
+
+    def give_buffers(self, params: Sequence[Tensor], buffers: Sequence[Tensor]) -> None:
+        for p, b in zip(params, buffers):
+            self._entries[p].grad = b
+
+    def has_grads(self, params: Sequence[Tensor]) -> bool:
+        return any(self._entries[p].has_grad for p in params)
+
+    @torch.no_grad()
+    def accumulate(self, p: Tensor, grad: Tensor) -> Tensor:
+        """Sum ``grad`` into ``p``'s device buffer like autograd into p.grad (copy when
+        empty, else add: the host path's bits); returns the sum."""
+        e = self._entries[p]
+        if e.has_grad:
+            e.grad.add_(grad)
+        else:
+            e.grad.copy_(grad)
+            e.has_grad = True
+        return e.grad
+
+    def mark_pending(self, params: Sequence[Tensor]) -> None:
+        for p in params:
+            self._entries[p].pending = True
+
+    def pending(self) -> dict[Tensor, Tensor]:
+        """Final gradients waiting for step(), by parameter."""
+        return {p: e.grad for p, e in self._entries.items() if e.pending}
+
+    def clear_grads(self, params: Sequence[Tensor] | None = None) -> None:
+        """Applied, or dropped by zero_grad()."""
+        for p in list(self._entries) if params is None else params:
+            e = self._entries[p]
+            e.has_grad = e.pending = False
+
     @torch.no_grad()
     def flush(self, state: dict, params: Sequence[Tensor] | None = None, describe=repr) -> None:
         """Copy newer device values into the host parameters and state; raises where the
@@ -181,7 +228,19 @@ class ResidentState:
                 p.detach().copy_(e.master)
         self._free(params)
 
+    @torch.no_grad()
+    def _grads_home(self, params: list[Tensor]) -> None:
+        """A gradient summed on the device and not applied yet continues on the host path
+        as ``p.grad`` (where that path would have summed it)."""
+        for p in params:
+            e = self._entries[p]
+            if e.has_grad:
+                g = e.grad.to("cpu", copy=True)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+                e.has_grad = e.pending = False
+
     def _free(self, params: list[Tensor]) -> None:
+        self._grads_home(params)
         devices = {self._entries[p].master.device for p in params}
         for device in devices:
             if device.type == "cuda":

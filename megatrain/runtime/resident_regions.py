@@ -15,9 +15,11 @@ For a region the plan made resident (megatrain.compiler.update_sites):
     hand-off of each gradient: upcast into the scratch and ``AdamW.update_resident``, on
         the compute stream, in stream order: the gradient's memory, which Inductor reuses
         right after the hand-off, has been read before anything can overwrite it, so the
-        region needs no gradient buffer and no copy.
-    demotion: where the optimizer refuses (``accumulate()``, clipping, the non-finite
-        check, a subclass, several owners) the region leaves the device for good
+        region needs no gradient buffer and no copy. Where the update must wait
+        (micro-batches, clipping, the non-finite check) the optimizer asks for one: an
+        fp32 buffer laid out like the region, from the reserve, kept for good.
+    demotion: where the optimizer refuses (a subclass, several owners, a gradient left in
+        ``p.grad``, no room for the buffer) the region leaves the device for good
         (``AdamW.drop_resident``: newest values flushed to the host), its bytes go back to
         the reserve and the host path takes over, bitwise where it continues on the CPU.
 
@@ -31,8 +33,10 @@ from __future__ import annotations
 import torch
 
 from ..optim import resident as resident_mod
+from ..optim.adamw import RESIDENT_NEEDS_BUFFERS
 from ..optim.registry import owner_of
 from . import handoff_graphs
+from .layout import FlatLayout
 from .pool import Reserve
 
 
@@ -51,7 +55,8 @@ class ResidentRegions:
         self.reserve = reserve
         self.candidates = {r: list(pids) for r, pids in candidates.items()}  # in acquiring order
         self.regions: dict[int, list[int]] = {}
-        self.held: dict[int, int] = {}  # region -> reserve bytes it holds
+        self.held: dict[int, int] = {}  # region -> reserve bytes its state holds
+        self.buffered: dict[int, int] = {}  # region -> reserve bytes of its gradient buffer
         self.updates = 0  # resident updates run, for tests and benchmarks
         self.demoted: dict[int, str] = {}  # region -> why it left the device
         numel = max((params[p].numel() for pids in candidates.values() for p in pids), default=0)
@@ -115,17 +120,37 @@ class ResidentRegions:
         opt = owner_of(param)
         if opt is None or not hasattr(opt, "is_resident") or not opt.is_resident(param):
             return False  # not adopted yet, or a host path took it home: the host path
-        reason = opt.update_resident([param], [self._fp32(grad, param)])
+        g = self._fp32(grad, param)
+        reason = opt.update_resident([param], [g])
+        if reason == RESIDENT_NEEDS_BUFFERS and self._lend_buffers(region, opt):
+            reason = opt.update_resident([param], [g])
         if reason is not None:
             self.demote(region, reason)
             return False
         self.updates += 1
         return True
 
+    def _lend_buffers(self, region: int, opt) -> bool:
+        """The region's gradients must wait on the device (micro-batches, clipping, the
+        non-finite check): one fp32 buffer laid out like the region, from the reserve, for
+        good (like the host optimizer's recycled gradient buffers). False: no room."""
+        params = [self.params[p] for p in self.regions[region]]
+        layout = FlatLayout.of([p.shape for p in params])
+        nbytes = 4 * layout.numel
+        # A buffer lent before went with the state (synchronize() brings it home): its bytes too.
+        self.reserve.release(self.buffered.pop(region, 0))
+        if not self.reserve.try_acquire(nbytes, f"resident gradient buffer of region {region}"):
+            return False
+        self.buffered[region] = nbytes
+        flat = torch.empty(layout.numel, dtype=torch.float32, device=self.device)
+        opt.give_resident_buffers(params, layout.views(flat))
+        return True
+
     @property
     def held_bytes(self) -> int:
         """Reserve bytes held for good: the regions' state and the scratch."""
-        return sum(self.held.values()) + (self._scratch_bytes if self._scratch_held else 0)
+        return (sum(self.held.values()) + sum(self.buffered.values())
+                + (self._scratch_bytes if self._scratch_held else 0))
 
     def demote(self, region: int, reason: str) -> None:
         """The region leaves the device for good: newest values to the host, bytes back."""
@@ -140,7 +165,7 @@ class ResidentRegions:
         else:
             for o in {id(o): o for o in map(owner_of, params) if hasattr(o, "drop_resident")}.values():
                 o.drop_resident([p for p in params if owner_of(p) is o])
-        self.reserve.release(self.held.pop(region))
+        self.reserve.release(self.held.pop(region) + self.buffered.pop(region, 0))
         if not self.regions:
             self._free_scratch()
 

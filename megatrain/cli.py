@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=["bf16", "fp32"],
                    help="compute precision; the master weights are fp32 either way "
                         "[bf16 on cuda, fp32 on cpu]")
+    g.add_argument("--updates", choices=["host", "auto", "device", "resident"],
+                   help="megatrain backend: where AdamW updates run; 'resident' keeps the "
+                        "state of as many layers as the free GPU memory holds on the GPU "
+                        "(compile option `updates`) [host]")
     g.add_argument("--compile", choices=["megatrain", "eager"],
                    help="megatrain backend, or plain torch on --device [megatrain]")
     g = t.add_argument_group("output")

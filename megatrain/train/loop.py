@@ -45,6 +45,7 @@ class TrainConfig:
     device: str | None = None           # None: cuda if available, else cpu
     gpu_memory: str | None = None
     precision: str | None = None        # None: bf16 on cuda, fp32 on cpu
+    updates: str = "host"               # where AdamW runs: the backend's `updates` option
     compile: str = "megatrain"          # megatrain | eager
     out: str | None = None              # None: runs/<model name>
     save_every: int = 500               # 0: only at the end
@@ -86,15 +87,21 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig):
     """The one place the backend is called. Eager returns the model itself."""
     if cfg.compile == "eager":
         return model
-    options = {"device": cfg.device, "precision": cfg.precision}
+    options = backend_options(cfg)
     if torch.device(cfg.device).type == "cpu":
         # Resume is exact only if a step computes the same bits every time. Inductor's CPU
         # code accumulates the embedding gradient with atomic adds, whose order varies
         # between runs with 2+ threads; deterministic mode makes it use ATen's index_put.
         torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch.compile(model, backend=resolve_backend(), options=options)
+
+
+def backend_options(cfg: TrainConfig) -> dict:
+    """The megatrain backend's options from the run's config."""
+    options = {"device": cfg.device, "precision": cfg.precision, "updates": cfg.updates}
     if cfg.gpu_memory is not None:
         options["gpu_memory"] = cfg.gpu_memory
-    return torch.compile(model, backend=resolve_backend(), options=options)
+    return options
 
 
 def optimizer_class(cfg: TrainConfig):
@@ -269,11 +276,8 @@ def _check_backend_options(cfg: TrainConfig) -> None:
         from megatrain.compiler.options import parse_options
     except ImportError:
         return
-    options = {"device": cfg.device, "precision": cfg.precision}
-    if cfg.gpu_memory is not None:
-        options["gpu_memory"] = cfg.gpu_memory
     try:
-        parse_options(options)
+        parse_options(backend_options(cfg))
     except (ValueError, TypeError) as e:
         raise RefusedError(f"the megatrain backend rejects its options: {e}") from None
 

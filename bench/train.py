@@ -453,6 +453,8 @@ def _megatrain_stats(step_fn) -> dict:
             # the device memory the plan leaves free (device-site updates, the backlog) and
             # how many regions' gradients waited there over the whole run (backlog=True)
             "update_reserve_bytes": sum(s.reserve.nbytes for s in streamers if s.reserve is not None),
+            # ... as the compile planned it (updates="resident" grows it from a measured step)
+            "update_reserve_planned_bytes": sum(g.update_reserve for g in plan.graphs),
             "backlogged_regions_total": sum(s.backlog.backlogged for s in streamers if s.backlog is not None),
             # updates="resident": regions whose AdamW state lives on the GPU, its bytes, and
             # the regions sent home (why) over the run
@@ -895,7 +897,8 @@ def main(argv=None) -> int:
         if r.get("h2d_copy_gbs"):
             print(f"{'':18s} host blocked: on gradient slabs {r.get('slab_wait_s', 0):.3f} s, on host casts "
                   f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}; "
-                  f"reserve beside the plan {r.get('update_reserve_bytes', 0) / 2**30:.2f} GiB, "
+                  f"reserve beside the plan {r.get('update_reserve_bytes', 0) / 2**30:.2f} GiB "
+                  f"(planned {(r.get('update_reserve_planned_bytes') or 0) / 2**30:.2f}), "
                   f"regions backlogged over the run {r.get('backlogged_regions_total')}; "
                   f"resident regions {r.get('resident_regions')} "
                   f"({(r.get('resident_bytes') or 0) / 2**30:.2f} GiB, sent home {r.get('resident_demoted')}), "

@@ -25,9 +25,8 @@ class GraphPlan:
     schedule: object = None  # schedule.StepSchedule: the planner's plan, rates, event lists
     streamer: object = None
     # Where each region's megatrain.AdamW update runs ("host" | "device" | "resident";
-    # update_sites.py),
-    # for the regions that hand their gradients to one; and the device bytes the plan
-    # leaves free, within which device updates in flight are held.
+    # update_sites.py), for the regions that hand their gradients to one; and the device
+    # bytes the plan leaves free, within which device updates in flight are held.
     update_sites: dict[int, str] = field(default_factory=dict)
     update_reserve: int = 0
     # The kernel patterns swapped into this graph (fusions.PATTERNS names), and why, in words,

@@ -381,13 +381,18 @@ class AdamW(Optimizer):
                 "every gradient was checked, so the update cannot run when this region's "
                 "gradient arrives; use submit()"
             )
-        params = list(params)
+        return self._params_blocker(list(params), final=True)
+
+    def _params_blocker(self, params: list[Tensor], final: bool) -> str | None:
+        """Why ``params`` cannot take a device-side path (device update, resident state)
+        now, or None; waits for queued host work on them first (``p.grad`` may be filling).
+        ``final``: their last gradient of this step is what comes next."""
         self.wait_params(params)
         for p in params:
             if p not in self._where:
                 what = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
                 return f"a parameter ({what}) is not managed by this optimizer"
-            if p in self._final:
+            if final and p in self._final:
                 return (
                     f"{self._describe(p)} already received its last gradient for this step; "
                     "call opt.step() between steps"
@@ -482,24 +487,13 @@ class AdamW(Optimizer):
         if type(self).submit is not AdamW.submit:
             return (f"{type(self).__name__} hands gradients to its state its own way: the "
                     "resident state knows megatrain.AdamW's only")
-        self.wait_params(params)
-        for p in params:
-            if p not in self._where:
-                what = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
-                return f"a parameter ({what}) is not managed by this optimizer"
-            if final and p in self._final:
-                return (f"{self._describe(p)} already received its last gradient for this step; "
-                        "call opt.step() between steps")
-            if p.grad is not None:
-                return (f"{self._describe(p)} has a gradient in p.grad on the host, which the "
-                        "device state would ignore")
-        return None
+        return self._params_blocker(params, final)
 
     def flush_resident(self, params: Iterable[Tensor]) -> None:
         """Make the host copies of resident ``params`` current (they stay resident): the
         runtime calls it before any other fetch of them from the host (another graph's)."""
         if len(self._resident):
-            self._resident.flush(self.state, [p for p in params if p in self._resident], self._describe)
+            self._resident.flush(self.state, list(params), self._describe)
 
     def drop_resident(self, params: Iterable[Tensor] | None = None) -> None:
         """Keep ``params`` (default: all) in host memory again, newest values included."""
@@ -511,7 +505,7 @@ class AdamW(Optimizer):
     def _leave_device(self, params: Sequence[Tensor]) -> None:
         """A host path is about to touch ``params``: resident ones come home first."""
         if len(self._resident):
-            self._resident.drop(self.state, [p for p in params if p in self._resident], self._describe)
+            self.drop_resident(params)
 
     def wait_params(self, params: Iterable[Tensor]) -> None:
         """Block until every queued update or accumulation touching ``params`` is done,

@@ -22,8 +22,8 @@ The host copy is the authority at rest, the device copy while training:
 - ``drop`` (``AdamW.synchronize()``, ``state_dict()``, pickling; a host path touching the
   parameter; the runtime's demotion): the device values are copied into the host
   parameter and host state, which are current again (a waiting gradient becomes
-  ``p.grad``), and the device copies are freed; the runtime adopts the host's values afresh at the region's next
-  fetch. So anything written on the host after ``synchronize()`` (``p.data`` included,
+  ``p.grad``), and the device copies are freed; the runtime adopts the host's values
+  afresh at the region's next fetch. So anything written on the host after ``synchronize()`` (``p.data`` included,
   which no version counter sees; moments, steps) is what training continues from. Read or
   write parameters directly only after ``synchronize()`` (the rule deferred updates
   already impose, AdamW's docstring). A host write that bumps ``p._version`` while the
@@ -41,6 +41,7 @@ device paths bitwise equal).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +51,6 @@ from torch import Tensor
 
 from . import functional
 
-# Device bytes per resident parameter element: fp32 master, m and v.
-BYTES_PER_PARAM = 12
 # Per tensor: the caching allocator rounds every block up to 512 bytes; the step count.
 _BLOCK = 512
 
@@ -59,13 +58,7 @@ _BLOCK = 512
 def resident_bytes(shapes: Sequence[Sequence[int]]) -> int:
     """Device bytes that making parameters of ``shapes`` resident holds (three fp32
     tensors and a step count each, rounded up to the allocator's 512-byte blocks)."""
-    total = 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= int(d)
-        total += 3 * (-(-4 * n // _BLOCK) * _BLOCK) + _BLOCK
-    return total
+    return sum(3 * (-(-4 * math.prod(shape) // _BLOCK) * _BLOCK) + _BLOCK for shape in shapes)
 
 
 @dataclass

@@ -159,12 +159,8 @@ class ResidentRegions:
             return
         self.demoted[region] = reason
         params = [self.params[p] for p in pids]
-        opt = _owner(params)
-        if opt is not None:
-            opt.drop_resident(params)
-        else:
-            for o in {id(o): o for o in map(owner_of, params) if hasattr(o, "drop_resident")}.values():
-                o.drop_resident([p for p in params if owner_of(p) is o])
+        for opt in {id(o): o for o in map(owner_of, params) if hasattr(o, "drop_resident")}.values():
+            opt.drop_resident(params)  # each brings home the ones it holds
         self.reserve.release(self.held.pop(region) + self.buffered.pop(region, 0))
         if not self.regions:
             self._free_scratch()

@@ -74,6 +74,16 @@ def side_by_side(model, scenario, **options):
     return out
 
 
+def residency_costs(model, batches):
+    """A roomy host-path plan of ``model`` (prefetch 0) and what residency needs beside it:
+    the plan, resident bytes per region with parameters (by id), the upcast scratch."""
+    plan = train(model, "host", batches, prefetch=0)["plan"]
+    params = dict(model.named_parameters())
+    need = {r.id: resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
+            for r in plan.regions if r.param_fqns}
+    return plan, need, 4 * max(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize("tied,precision", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
 def test_resident_trains_bitwise_like_host_and_like_eager(tied, precision):
     torch.manual_seed(0)
@@ -166,12 +176,8 @@ def test_without_room_for_gradient_buffers_regions_go_home():
     torch.manual_seed(2)
     model = llama(layers=1)
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
-    roomy = train(model, "host", batches[:1], prefetch=0)["plan"]
-    params = dict(model.named_parameters())
-    state = sum(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
-                for r in roomy.regions if r.param_fqns)
-    scratch = 4 * max(p.numel() for p in model.parameters())
-    budget = roomy.predicted_peak_bytes + scratch + state + 1024  # state fits, buffers do not
+    roomy, need, scratch = residency_costs(model, batches[:1])
+    budget = roomy.predicted_peak_bytes + scratch + sum(need.values()) + 1024  # state fits, buffers do not
     clipped = train(model, "resident", batches, prefetch=0, gpu_memory=budget, max_grad_norm=0.05)
     resident = clipped["resident"]
     assert resident.demoted and all("lend them buffers" in why for why in resident.demoted.values())
@@ -240,12 +246,9 @@ def test_resident_regions_fit_the_memory_the_plan_leaves():
     torch.manual_seed(5)
     model = llama(layers=3)
     batches = random_batches(VOCAB, 2, batch=2, seq=8)
-    roomy = train(model, "host", batches, prefetch=0)["plan"]
-    params = dict(model.named_parameters())
-    need = sorted(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
-                  for r in roomy.regions if r.param_fqns)
-    scratch = 4 * max(p.numel() for p in model.parameters())
-    budget = roomy.predicted_peak_bytes + scratch + need[0] + need[1] + need[2] // 2
+    roomy, need, scratch = residency_costs(model, batches)
+    small = sorted(need.values())
+    budget = roomy.predicted_peak_bytes + scratch + small[0] + small[1] + small[2] // 2
     tight = train(model, "resident", batches, prefetch=0, gpu_memory=budget)
     plan = tight["plan"]
     kept = {r for r, s in plan.update_sites.items() if s == "resident"}
@@ -253,10 +256,9 @@ def test_resident_regions_fit_the_memory_the_plan_leaves():
     # Greedy from the end of the backward (the forward's order), skipping what does not fit.
     left, expect = plan.update_reserve - scratch, set()
     for r in plan.regions:
-        nbytes = resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
-        if r.param_fqns and nbytes <= left:
+        if r.id in need and need[r.id] <= left:
             expect.add(r.id)
-            left -= nbytes
+            left -= need[r.id]
     assert kept == expect
     assert set(tight["resident"].regions) == kept
     assert tight["resident"].reserve.live <= plan.update_reserve
@@ -293,14 +295,11 @@ def test_a_measured_step_lets_more_regions_become_resident():
     torch.manual_seed(7)
     model = llama(layers=3)
     batches = random_batches(VOCAB, 3, batch=2, seq=8)
-    roomy = train(model, "host", batches[:1], prefetch=0)["plan"]
-    params = dict(model.named_parameters())
-    need = min(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
-               for r in roomy.regions if r.param_fqns)
-    scratch = 4 * max(p.numel() for p in model.parameters())
+    roomy, need, scratch = residency_costs(model, batches[:1])
+    least = min(need.values())
     streamed = copy.deepcopy(model)
     opt, step = compiled(streamed, "resident", prefetch=0,
-                         gpu_memory=roomy.predicted_peak_bytes + scratch + need + need // 2)
+                         gpu_memory=roomy.predicted_peak_bytes + scratch + least + least // 2)
     run(step, opt, batches[:1])
     streamer = megatrain.explain(step).graphs[0].streamer
     before, reserve = set(streamer.resident.regions), streamer.reserve.nbytes

@@ -195,7 +195,7 @@ class Streamer:
         self._cast_chunk_refused = False
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
         self.resident: ResidentRegions | None = None  # regions whose AdamW state lives here
-        self._resident_claimed = False
+        self._resident_claimed = False  # begin_step sends other graphs' residents home, once
         # grow_reserve's measurement: whole steps of this graph alone (begin/end_step)
         self._measurable, self._begun_since_end, self._measured_steps = False, 0, 0
         self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
@@ -939,7 +939,6 @@ class Streamer:
         self.reserve = Reserve(self.pool, reserve)
         if resident:
             self.resident = ResidentRegions(self.device, self.params, resident, self.reserve)
-            self._resident_claimed = False  # begin_step sends other graphs' home, once
         self.device_updates = (DeviceUpdates(self.device, self.pool, self.params, streams, regions,
                                              self.reserve) if regions else None)
 

@@ -1,8 +1,9 @@
 """`torch.compile(model, backend="megatrain")`: the pipeline, stage by stage.
 
-    options -> capture (re-home onto the device, fetch per region) -> AOTAutograd with the
-    region-checkpointing partition -> the planner's schedule of the graph pair (device
-    budget proven, validated) -> its FX transfer nodes -> lowering (Inductor) -> runtime.
+    options -> capture (re-home onto the device, fetch per region) -> AOTAutograd with
+    Inductor's joint-graph passes and the region-checkpointing partition -> the planner's
+    schedule of the graph pair (device budget proven, validated) -> its FX transfer nodes
+    -> lowering (Inductor) -> runtime.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..runtime.host_store import home_parameters
 from . import explain as explain_mod
 from . import update_sites
 from .capture import check_inputs, rehome
-from .lower import lower
+from .lower import joint_passes, lower
 from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
@@ -263,7 +264,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         compiled = aot_module_simplified(
             cap.gm, example_inputs,
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-            partition_fn=make_partition_fn(on_partition),
+            partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
             decompositions=_decompositions(),
             keep_inference_input_mutations=True)
     return compiled, plan, cap

@@ -8,8 +8,10 @@ passes that could move them are switched off). "eager" runs the scheduled FX gra
 from __future__ import annotations
 
 import hashlib
+import inspect
 import pathlib
 
+import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
@@ -36,6 +38,35 @@ INDUCTOR_PATCHES = {
     # ops' module, also enters the key, so changing the ops invalidates old entries.
     "unsafe_marked_cacheable_functions": {"torch.ops.higher_order.with_effects": _OPS_VERSION},
 }
+
+
+def joint_passes(lowering: str, device: torch.device):
+    """Inductor's joint-graph passes, for the partition to run first, as Inductor's own
+    partition function does (megatrain partitions the joint graph itself, so without this
+    they never ran); None for eager lowering, which runs the graph as traced.
+
+    The pass that matters: cross-entropy's backward builds its one-hot gradient by
+    scattering into a [tokens, vocab] zeros tensor, which Inductor realises as a buffer in
+    the loss's dtype (fp32 under bf16 autocast: 2 GiB at 16k tokens and vocab 32000, 16 GiB
+    at 32k tokens and vocab 128256). The pass (`scatter_upon_const_tensor`) rewrites it as
+    a pointwise `where(iota == label)` that fuses into its reader. Measured on the CPU
+    (bf16, vocab 8192, 1024 tokens): step peak 52.2 -> 21.0 MB, losses bitwise equal.
+    The rewritten nodes keep the replaced node's region tag (pattern replacement copies
+    `meta["custom"]`); the few new leaf nodes it adds untagged join the run they sit in."""
+    if lowering != "inductor":
+        return None
+    from torch._inductor import config as inductor_config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    if not getattr(inductor_config, "use_joint_graph_passes", True):
+        return None
+    takes_device = "input_device" in inspect.signature(joint_graph_passes).parameters
+
+    def run(joint: fx.GraphModule) -> fx.GraphModule:
+        out = joint_graph_passes(joint, input_device=device) if takes_device else joint_graph_passes(joint)
+        return joint if out is None else out  # some torch versions edit in place, return None
+
+    return run
 
 
 def lower(gm: fx.GraphModule, example_inputs, lowering: str, is_backward: bool):

@@ -129,15 +129,18 @@ def check_saved(fw: fx.GraphModule, num_fwd_outputs: int, info: JointAnalysis) -
                 f"weights must be re-fetched in backward, never kept")
 
 
-def make_partition_fn(on_partition=None):
+def make_partition_fn(on_partition=None, joint_passes=None):
     """A partition_fn for aot_module_simplified.
 
+    `joint_passes(joint) -> joint` rewrites the joint graph first (lower.joint_passes);
     `on_partition(fw, bw, saved) -> (fw, bw)` schedules the two graphs.
     """
 
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         from torch._functorch.partitioners import default_partition
 
+        if joint_passes is not None:
+            joint_module = joint_passes(joint_module)
         info = tag_for_region_checkpointing(joint_module.graph)
 
         fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)

@@ -62,8 +62,14 @@ def joint_passes(lowering: str, device: torch.device):
         return None
     takes_device = "input_device" in inspect.signature(joint_graph_passes).parameters
 
-    def run(joint: fx.GraphModule) -> fx.GraphModule:
-        out = joint_graph_passes(joint, input_device=device) if takes_device else joint_graph_passes(joint)
+    def run(joint: fx.GraphModule, joint_inputs) -> fx.GraphModule:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        # Passes that build nodes read their fake mode from V, as under Inductor's compile
+        # (replace_random's seed fusion does: a model with dropout needs it).
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            out = joint_graph_passes(joint, input_device=device) if takes_device else joint_graph_passes(joint)
         return joint if out is None else out  # some torch versions edit in place, return None
 
     return run

@@ -132,7 +132,7 @@ def check_saved(fw: fx.GraphModule, num_fwd_outputs: int, info: JointAnalysis) -
 def make_partition_fn(on_partition=None, joint_passes=None):
     """A partition_fn for aot_module_simplified.
 
-    `joint_passes(joint) -> joint` rewrites the joint graph first (lower.joint_passes);
+    `joint_passes(joint, joint_inputs) -> joint` rewrites the joint graph first (lower.joint_passes);
     `on_partition(fw, bw, saved) -> (fw, bw)` schedules the two graphs.
     """
 
@@ -140,7 +140,7 @@ def make_partition_fn(on_partition=None, joint_passes=None):
         from torch._functorch.partitioners import default_partition
 
         if joint_passes is not None:
-            joint_module = joint_passes(joint_module)
+            joint_module = joint_passes(joint_module, joint_inputs)
         info = tag_for_region_checkpointing(joint_module.graph)
 
         fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)

@@ -195,11 +195,14 @@ def test_varying_sequence_length_recompiles_once():
     assert int(expr.subs({s: 2 * v for s, v in plan.dims.items()})) > plan.peak_bytes
 
 
-def test_dropout_backward_uses_the_forward_mask():
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_dropout_backward_uses_the_forward_mask(lowering):
     """Compiled RNG cannot replay eager's generator, so masks differ from eager's by
     construction; what must hold is that backward uses the very mask forward drew (the
-    partition saves random ops' outputs). h = dropout(x @ W0^T, 0.5), y = h @ W1^T,
-    loss = sum(y * g): dL/dW0 = ((g @ W1) * mask * 2)^T x, with the mask seen as h != 0."""
+    partition saves random ops' outputs; under Inductor its joint-graph passes first turn
+    them into seeded `inductor_random` ops, whose seeds the partition saves).
+    h = dropout(x @ W0^T, 0.5), y = h @ W1^T, loss = sum(y * g):
+    dL/dW0 = ((g @ W1) * mask * 2)^T x, with the mask seen as h != 0."""
 
     class Dropping(torch.nn.Module):
         def __init__(self):
@@ -214,7 +217,7 @@ def test_dropout_backward_uses_the_forward_mask():
     torch.manual_seed(torch.seed() % 2**31)
     model = Dropping()
     step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+                         options={"device": "cpu", "precision": "fp32", "lowering": lowering})
     x, g = torch.randn(16, 32), torch.randn(16, 32)
     loss, h = step(x, g)
     loss.backward()

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+import megatrain
 from megatrain.models import GPT2, GPT2Config, Llama, LlamaConfig
 
 from .helpers import param_bytes, rel, random_batches, train_side_by_side
@@ -227,3 +228,42 @@ def test_dropout_backward_uses_the_forward_mask(lowering):
     dh = (g @ w1) * mask * 2.0  # through layers[1], then dropout's mask and 1/(1-p)
     expected = dh.t() @ x
     torch.testing.assert_close(model.layers[0].weight.grad, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer,updates", [("torch", "host"), ("megatrain", "host"),
+                                               ("megatrain", "resident")])
+def test_frozen_parameters_stream_and_stay_frozen(optimizer, updates):
+    """Fine-tuning a few parameters of a model (LoRA-style, a frozen embedding): the frozen
+    weights still stream to the device for compute, get no gradient and never change,
+    and the trainable ones train like eager AdamW over the same subset."""
+    torch.manual_seed(torch.seed() % 2**31)
+    model = llama(tied=False, layers=3)
+    for name, p in model.named_parameters():
+        p.requires_grad_(("layers.1." in name and "attn" in name) or name.startswith("norm"))
+    ref = copy.deepcopy(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    step = torch.compile(model, backend="megatrain", options={
+        "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates,
+        "gpu_memory": "4MiB"})
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (megatrain.AdamW(trainable, lr=1e-2) if optimizer == "megatrain"
+           else torch.optim.AdamW(trainable, lr=1e-2))
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for ids, labels in random_batches(160, 3, batch=2, seq=32):
+        loss, loss_ref = step(ids, labels=labels), ref(ids, labels=labels)
+        assert abs(loss.item() - loss_ref.item()) / loss_ref.item() < 1e-5
+        loss.backward()
+        loss_ref.backward()
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad()
+    if updates == "resident":  # the trainable regions' state lived on the device
+        live = megatrain.explain(step).graphs[0].resident_regions
+        assert live and set(live.values()) == {"resident"}, live
+    if optimizer == "megatrain":
+        opt.synchronize()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert p.grad is None and torch.equal(p, frozen[name]), name
+    assert rel(torch.cat([p.detach().flatten() for p in trainable]),
+               torch.cat([p.detach().flatten() for p in ref.parameters() if p.requires_grad])) < 1e-5

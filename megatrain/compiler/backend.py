@@ -46,6 +46,26 @@ def _graph_end(gm: torch.fx.GraphModule) -> str:
     return "<unknown>"
 
 
+# Graph-break reasons (dynamo's gb_type, the start of its counter key) for which a user
+# can do better than accept the break, and what to do.
+_BREAK_HINTS = {
+    "HOP: Unsafe side effect": (
+        "the model's own activation checkpointing (torch.utils.checkpoint) wraps code with a "
+        "Python side effect, so dynamo cannot trace it; megatrain already recomputes every layer "
+        "in the backward, so turn the model's checkpointing off (Hugging Face: "
+        "model.gradient_checkpointing_disable()), or accept that the side effect is not replayed "
+        "in the recompute: torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True"),
+    "logging.Logger method": (
+        "a logging call inside the model: add it to torch._dynamo.config.ignore_logging_functions"),
+}
+
+
+def _hints(reasons) -> str:
+    """The known fixes for these graph-break reasons, as a sentence each."""
+    found = [hint for key, hint in _BREAK_HINTS.items() if any(str(r).startswith(key) for r in reasons)]
+    return "".join(f". To remove it: {h}" for h in found)
+
+
 def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
     """Dynamo records why it split the frame before it calls us for the first piece."""
     global _seen_breaks
@@ -63,7 +83,7 @@ def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
         warnings.warn(
             f"megatrain: the model has a graph break ({reasons}); this graph ends at {_graph_end(gm)}. "
             f"Each graph streams on its own and trains correctly, but transfers do not overlap "
-            f"across the break", stacklevel=2)
+            f"across the break{_hints(breaks)}", stacklevel=2)
     _seen_breaks = total
 
 

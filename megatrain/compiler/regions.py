@@ -4,13 +4,15 @@ A region is the unit of streaming: its weights are fetched together, its boundar
 activations are the only ones saved for backward. Rule, from `node.meta["nn_module_stack"]`
 only (no model names): the outermost module on a node's stack whose path ends in an index
 (`layers.3`, `h.11`, `encoder.layer.0`) is a repeated child of a ModuleList/Sequential,
-i.e. a layer. Every maximal run of other nodes between layers forms one outer region:
-"prologue" (embeddings, rotary tables), "epilogue" (final norm, head, loss), or
-"between(<layer>)" for glue between two layers.
+i.e. a layer; a higher-order op outside any layer (a checkpoint around a layer call)
+belongs, with its outputs, to the layer its body does. Every maximal run of other nodes
+between layers forms one outer region: "prologue" (embeddings, rotary tables),
+"epilogue" (final norm, head, loss), or "between(<layer>)" for glue between two layers.
 """
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -40,7 +42,27 @@ def layer_of(node: fx.Node) -> str | None:
         path = module_path(entry[0] if isinstance(entry, tuple) else str(entry))
         if path and path.split(".")[-1].isdigit():
             return path
-    return None
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and node.args[0].op == "call_function":
+        node = node.args[0]  # an output of a higher-order op, picked outside any module
+    return _body_layer(node)
+
+
+def _body_layer(node: fx.Node) -> str | None:
+    """A higher-order op called outside any layer, e.g. torch.utils.checkpoint around a
+    layer call in the model's top-level forward (dynamo's `tag_activation_checkpoint`,
+    whose own stack is empty): the one layer its body's nodes belong to, if one."""
+    owner = node.graph.owning_module
+    layers: set[str] = set()
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            body = getattr(owner, arg.target, None)
+            if isinstance(body, fx.GraphModule):
+                layers |= {layer_of(n) for n in body.graph.nodes if n.op == "call_function"}
+    layers.discard(None)
+    return layers.pop() if len(layers) == 1 else None
 
 
 @dataclass

@@ -267,3 +267,44 @@ def test_frozen_parameters_stream_and_stay_frozen(optimizer, updates):
             assert p.grad is None and torch.equal(p, frozen[name]), name
     assert rel(torch.cat([p.detach().flatten() for p in trainable]),
                torch.cat([p.detach().flatten() for p in ref.parameters() if p.requires_grad])) < 1e-5
+
+
+def test_a_checkpointed_side_effect_breaks_the_graph_and_the_warning_names_the_fix():
+    """Hugging Face models with gradient checkpointing on wrap each layer in
+    torch.utils.checkpoint around code with Python side effects, which dynamo refuses to
+    trace inside the checkpoint: every layer becomes a graph break. The warning says how to
+    remove it, and the fix it names gives one graph whose regions are the layers."""
+    seen = []
+
+    class Checkpointed(Llama):
+        def forward(self, input_ids, labels=None):
+            x = self.embed_tokens(input_ids)
+            cos, sin = self.rotary(x, input_ids.shape[1])
+
+            def run(layer, x):
+                seen.append(x.shape)  # a side effect outside the checkpointed function
+                return layer(x, cos, sin)
+
+            for layer in self.layers:
+                x = torch.utils.checkpoint.checkpoint(run, layer, x, use_reentrant=False)
+            logits = self.lm_head(self.norm(x))
+            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def train():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Checkpointed(LlamaConfig(vocab_size=160, hidden=64, layers=3, heads=4, kv_heads=2,
+                                         ffn=176, rope_theta=10000.0))
+        return train_side_by_side(model, random_batches(160, 2, batch=2, seq=8),
+                                  {"device": "cpu", "precision": "fp32", "lowering": "eager"}, steps=2)
+
+    with pytest.warns(UserWarning, match="skip_fwd_side_effects_in_bwd_under_checkpoint = True"):
+        r = train()
+    assert "layers.1" not in [g.name for g in r["plan"].regions]
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        r = train()
+    assert len(r["plan"].graphs) == 1
+    assert [g.name for g in r["plan"].regions] == ["prologue", "layers.0", "layers.1", "layers.2", "epilogue"]
+    for a, b in zip(r["loss"], r["loss_ref"]):
+        assert abs(a - b) / abs(b) < 1e-5
+    assert rel(r["grads"], r["grads_ref"]) < 1e-5

@@ -78,7 +78,25 @@ INDUCTOR = ("gpt2", "t5", "mixtral")
 @pytest.mark.parametrize("name,lowering", [(n, "eager") for n in sorted(ZOO)]
                          + [(n, "inductor") for n in INDUCTOR])
 def test_zoo_trains_like_eager_under_half_the_parameter_bytes(name, lowering):
-    build, inputs, stacks = ZOO[name]
+    _trains_like_eager(*ZOO[name], lowering)
+
+
+def test_gradient_checkpointing_on_streams_per_layer():
+    """A model with Hugging Face's gradient checkpointing on: each layer's call is wrapped
+    in torch.utils.checkpoint, which dynamo traces (its side effects set aside, the flag
+    megatrain's graph-break warning names) into one graph whose regions are still the
+    layers; megatrain's own recompute makes the model's redundant."""
+    def build():
+        model = causal(transformers.LlamaConfig, num_key_value_heads=2, use_cache=False)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        plan = _trains_like_eager(build, tokens, ["model.layers"], "eager")
+    assert len(plan.graphs) == 1
+
+
+def _trains_like_eager(build, inputs, stacks, lowering):
     torch.manual_seed(0)
     model = build()
     model.train()
@@ -112,3 +130,4 @@ def test_zoo_trains_like_eager_under_half_the_parameter_bytes(name, lowering):
     if stacks:
         assert layers == [f"{s}.{i}" for s in stacks for i in range(LAYERS)]
     assert names[0] == "prologue" and names[-1] == "epilogue"
+    return plan

@@ -1,0 +1,115 @@
+"""The plan a bench shape gets at a budget, computed on the CPU in seconds, no GPU.
+
+The planner sees the same graph pair on any device: this traces the bench's Llama preset
+through the backend with device "cpu" and Inductor lowering (so Inductor's joint-graph
+passes run), plans it as the H200 compile would (`fused=True`: the CUDA lowering's margin
+for a fused kernel's transient), prints the plan and stops before anything compiles or
+runs. Parameters are left uninitialised (their values do not enter the plan), so a 3B
+model needs its 13 GB of fp32 host memory but no init time. At 1.3B width, 8 layers, 16k
+tokens, 12 GiB it gives the 8.969 GiB predicted peak the H200's bench rows recorded.
+
+    python bench/plan_preview.py --model 3b --tokens 16384 --gpu-memory 12GiB
+    python bench/plan_preview.py --model 1.3b --layers 8 --tokens 16384 --gpu-memory 12GiB
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import _config  # noqa: E402  (the bench's presets and depth override)
+
+
+class _Planned(Exception):
+    """Raised by the spy once the plan exists: nothing past planning needs to run."""
+
+    def __init__(self, schedule=None, error: Exception | None = None):
+        super().__init__("planned")
+        self.schedule, self.error = schedule, error
+
+
+@contextlib.contextmanager
+def _stop_after_planning():
+    """The backend's schedule_step, planning as on CUDA with Inductor, then stopping."""
+    import megatrain.compiler.backend as backend
+
+    real = backend.schedule_step
+
+    def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
+            keep_weights=False):
+        try:
+            raise _Planned(real(fw, bw, params, device, dtype, budget, prefetch, offload, True,
+                                keep_weights))
+        except _Planned:
+            raise
+        except Exception as e:  # InfeasibleBudget: its message is the answer
+            raise _Planned(error=e) from None
+
+    backend.schedule_step = spy
+    try:
+        yield
+    finally:
+        backend.schedule_step = real
+
+
+def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
+            keep_weights: bool = False, kernels: str | None = None):
+    """(StepSchedule, None), or (None, the planner's error)."""
+    from megatrain.models import Llama
+
+    cfg = _config(model, layers)
+    with torch.device("meta"):
+        net = Llama(cfg)
+    net = net.to_empty(device="cpu")
+    for b in net.buffers():
+        b.zero_()
+    step = torch.compile(net, backend="megatrain", options={
+        "device": "cpu", "precision": "bf16", "lowering": "inductor", "gpu_memory": gpu_memory,
+        "keep_weights": keep_weights, **({"kernels": kernels.split(",")} if kernels else {})})
+    ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
+    with _stop_after_planning():
+        try:
+            step(ids, labels=ids)
+        except Exception as e:
+            found = e
+            while found is not None and not isinstance(found, _Planned):
+                found = found.__cause__ or found.__context__
+            if found is None:
+                raise
+            return found.schedule, found.error
+    raise AssertionError("the backend compiled without planning")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="1.3b", choices=["1.3b", "3b", "8b", "tiny"])
+    p.add_argument("--layers", type=int, default=None, help="depth at the preset's width")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--gpu-memory", default="12GiB")
+    p.add_argument("--keep-weights", action="store_true")
+    p.add_argument("--kernels", default=None,
+                   help="megatrain kernels swapped in, e.g. linear_cross_entropy (the fused loss "
+                        "the CUDA backend falls back to when the plan does not fit)")
+    args = p.parse_args(argv)
+    schedule, error = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
+                              args.keep_weights, args.kernels)
+    if error is not None:
+        print(f"no plan: {error}")
+        if not args.kernels:
+            print("(on CUDA the backend then plans again with the fused linear-cross-entropy loss: "
+                  "preview that with --kernels linear_cross_entropy)")
+        return 1
+    plan = schedule.plan
+    print(f"{args.model} layers={args.layers or 'preset'} tokens={args.tokens} gpu_memory={args.gpu_memory}: "
+          f"predicted peak {plan.peak_bytes / 2**30:.3f} GiB, {plan.config}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

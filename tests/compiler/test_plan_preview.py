@@ -1,0 +1,18 @@
+"""bench/plan_preview.py: the plan of a bench shape on the CPU, stopped before compiling."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from plan_preview import preview  # noqa: E402
+
+
+def test_preview_plans_within_the_budget_and_names_the_least_one_when_it_cannot():
+    schedule, error = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB")
+    assert error is None and 0 < schedule.plan.peak_bytes <= 64 << 20
+    too_small = schedule.plan.peak_bytes // 4
+    schedule, error = preview("tiny", None, tokens=1024, seq=256, gpu_memory=str(too_small))
+    assert schedule is None and f"gpu_memory={too_small} bytes" in str(error), error

@@ -7,6 +7,7 @@ passes that could move them are switched off). "eager" runs the scheduled FX gra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import pathlib
@@ -51,8 +52,9 @@ def joint_passes(lowering: str, device: torch.device):
     at 32k tokens and vocab 128256). The pass (`scatter_upon_const_tensor`) rewrites it as
     a pointwise `where(iota == label)` that fuses into its reader. Measured on the CPU
     (bf16, vocab 8192, 1024 tokens): step peak 52.2 -> 21.0 MB, losses bitwise equal.
-    The rewritten nodes keep the replaced node's region tag (pattern replacement copies
-    `meta["custom"]`); the few new leaf nodes it adds untagged join the run they sit in."""
+    The node that replaces a match's output keeps its region tag (pattern replacement
+    copies `meta["custom"]` to it); the partition gives the other new nodes theirs
+    (partition.adopt_regions)."""
     if lowering != "inductor":
         return None
     from torch._inductor import config as inductor_config
@@ -68,7 +70,10 @@ def joint_passes(lowering: str, device: torch.device):
 
         # Passes that build nodes read their fake mode from V, as under Inductor's compile
         # (replace_random's seed fusion does: a model with dropout needs it).
-        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        # On CUDA, the graph's device is the current one while they run, as under Inductor
+        # (pad_mm times matmuls on the current device).
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with on_device, V.set_fake_mode(detect_fake_mode(joint_inputs)):
             out = joint_graph_passes(joint, input_device=device) if takes_device else joint_graph_passes(joint)
         return joint if out is None else out  # some torch versions edit in place, return None
 

@@ -95,6 +95,35 @@ def tag_for_region_checkpointing(graph: fx.Graph) -> JointAnalysis:
     return info
 
 
+def adopt_regions(graph: fx.Graph, known: set[fx.Node]) -> None:
+    """Give a region to each node a rewrite added (not in `known`) without one.
+
+    Pattern replacement copies the region tag (`meta["custom"]`) only to the node that
+    replaces a match's output; the others come untagged, and an untagged node next to a
+    tagged one looks like a region boundary to `tag_for_region_checkpointing`, which then
+    saves both sides (a rewritten scaled softmax saved each layer's scores). Each new node
+    takes the region of its earliest tagged reader (readers first: a chain of new nodes
+    inherits from its end), else of the nearest tagged node before it: the run it sits in."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    new = [n for n in nodes if n.op == "call_function" and n not in known and region_of(n) is None]
+
+    def tag(n: fx.Node, r: int) -> None:
+        n.meta.setdefault("custom", {})["megatrain_region"] = r
+
+    for n in reversed(new):
+        readers = sorted((u for u in n.users if region_of(u) is not None), key=pos.__getitem__)
+        if readers:
+            tag(n, region_of(readers[0]))
+    last = None
+    for n in nodes:
+        r = region_of(n)
+        if r is None and n in new and last is not None:
+            tag(n, last)
+        elif r is not None:
+            last = r
+
+
 @dataclass
 class SavedActivations:
     names: list[str] = field(default_factory=list)
@@ -140,7 +169,9 @@ def make_partition_fn(on_partition=None, joint_passes=None):
         from torch._functorch.partitioners import default_partition
 
         if joint_passes is not None:
+            known = set(joint_module.graph.nodes)
             joint_module = joint_passes(joint_module, joint_inputs)
+            adopt_regions(joint_module.graph, known)
         info = tag_for_region_checkpointing(joint_module.graph)
 
         fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)

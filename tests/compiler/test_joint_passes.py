@@ -56,8 +56,7 @@ def _train(device: str, joint_passes: bool, batches):
                 grads = flat(p.grad for p in model.parameters())
             opt.step()
             opt.zero_grad()
-    graph = megatrain.explain(step).graphs[0]
-    return losses, grads, peaks, graph.backward_code, graph.schedule.plan.peak_bytes
+    return losses, grads, peaks, megatrain.explain(step).graphs[0]
 
 
 @pytest.mark.skipif(not hasattr(torch._inductor.config, "use_joint_graph_passes"),
@@ -65,8 +64,10 @@ def _train(device: str, joint_passes: bool, batches):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_loss_backward_holds_no_one_hot_buffer(device):
     batches = random_batches(CFG.vocab_size, 3, batch=BATCH, seq=SEQ)
-    losses, grads, peaks, code, predicted = _train(device, True, batches)
-    losses_off, grads_off, peaks_off, code_off, _ = _train(device, False, batches)
+    losses, grads, peaks, graph = _train(device, True, batches)
+    losses_off, grads_off, peaks_off, graph_off = _train(device, False, batches)
+    code, code_off, predicted = graph.backward_code, graph_off.backward_code, graph.schedule.plan.peak_bytes
+    assert graph.saved_activations == graph_off.saved_activations  # the same boundaries
 
     assert "scatter" in code_off and "scatter" not in code, "the one-hot scatter was not rewritten"
     one_hot = BATCH * SEQ * CFG.vocab_size * 4  # fp32 [tokens, vocab]
@@ -80,3 +81,50 @@ def test_loss_backward_holds_no_one_hot_buffer(device):
     else:
         assert losses[0] == losses_off[0] and rel(grads, grads_off) < 1e-3, (losses, losses_off)
     assert max(peaks[1:]) <= predicted, (peaks, predicted)  # the plan's peak still bounds it
+
+
+class _ScaledSoftmaxLayer(torch.nn.Module):
+    """Attention-like scores, softmax(q k^T * scale): Inductor's joint passes rewrite the
+    scaled softmax into several new nodes, of which only the last inherits the region."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        scores = torch.softmax(self.q(x) @ x.transpose(-1, -2) * 0.125, dim=-1)
+        return x + self.o(scores @ x)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, width: int = 32, layers: int = 3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ScaledSoftmaxLayer(width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_rewritten_nodes_stay_in_their_region_and_nothing_more_is_saved():
+    """New nodes the passes add take their region (partition.adopt_regions): untagged, each
+    looked like a region boundary and the partition saved every layer's scores."""
+    x = torch.randn(4, 64, 32)
+
+    def saved(joint_passes: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        step = torch.compile(_Stack(), backend="megatrain",
+                             options={"device": "cpu", "precision": "fp32", "lowering": "inductor"})
+        with torch._inductor.config.patch(use_joint_graph_passes=joint_passes):
+            loss = step(x)
+            loss.backward()
+        graph = megatrain.explain(step).graphs[0]
+        return loss.item(), graph.saved_activations, graph.saved_activation_bytes, graph.forward_code
+
+    loss, names, nbytes, code = saved(True)
+    loss_off, names_off, nbytes_off, code_off = saved(False)
+    assert code != code_off, "the passes rewrote nothing: the test no longer tests them"
+    assert (len(names), nbytes) == (len(names_off), nbytes_off), (names, names_off)
+    assert abs(loss - loss_off) <= 1e-6 * abs(loss_off)

@@ -32,7 +32,7 @@ from .plan import GraphPlan
 from .planner import InfeasibleBudget
 from .schedule import schedule_step
 
-_seen_breaks = 0
+_seen_breaks: collections.Counter = collections.Counter()  # break reason -> count warned of
 
 
 def _graph_end(gm: torch.fx.GraphModule) -> str:
@@ -67,24 +67,26 @@ def _hints(reasons) -> str:
 
 
 def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
-    """Dynamo records why it split the frame before it calls us for the first piece."""
-    global _seen_breaks
+    """Dynamo records why it split the frame before it calls us for the first piece: warn
+    with the reasons counted since the last warning (and their known fixes)."""
     from torch._dynamo.utils import counters
-
-    if not counters.get("unimplemented") and not counters.get("graph_break"):
-        _seen_breaks = 0  # counters were reset (torch._dynamo.reset())
 
     # A break at top level lands in "graph_break"; one inside a loop makes dynamo skip the
     # frame and compile its callees, recorded under "unimplemented".
-    breaks = {**counters.get("unimplemented", {}), **counters.get("graph_break", {})}
-    total = sum(counters.get("unimplemented", {}).values()) + sum(counters.get("graph_break", {}).values())
-    if total > _seen_breaks:
-        reasons = "; ".join(str(r).splitlines()[0] for r in list(breaks)[-3:])
+    counts = collections.Counter()
+    for kind in ("unimplemented", "graph_break"):
+        counts.update(counters.get(kind, {}))
+    if any(_seen_breaks[k] > counts[k] for k in _seen_breaks):
+        _seen_breaks.clear()  # counters were reset (torch._dynamo.reset())
+    new = [k for k in counts if counts[k] > _seen_breaks[k]]
+    if new:
+        reasons = "; ".join(str(r).splitlines()[0] for r in new[-3:])
         warnings.warn(
             f"megatrain: the model has a graph break ({reasons}); this graph ends at {_graph_end(gm)}. "
             f"Each graph streams on its own and trains correctly, but transfers do not overlap "
-            f"across the break{_hints(breaks)}", stacklevel=2)
-    _seen_breaks = total
+            f"across the break{_hints(new)}", stacklevel=2)
+    _seen_breaks.clear()
+    _seen_breaks.update(counts)
 
 
 def _check_region_budget(regions, params, region_params, opts: Options) -> None:

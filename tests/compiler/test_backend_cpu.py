@@ -308,3 +308,26 @@ def test_a_checkpointed_side_effect_breaks_the_graph_and_the_warning_names_the_f
     for a, b in zip(r["loss"], r["loss_ref"]):
         assert abs(a - b) / abs(b) < 1e-5
     assert rel(r["grads"], r["grads_ref"]) < 1e-5
+
+
+def test_a_graph_break_warning_names_the_new_reasons_only():
+    """A process that compiles several models: each warning names the breaks dynamo counted
+    since the last one, and only their fixes (dynamo's counters, as it fills them)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from megatrain.compiler.backend import _warn_graph_breaks
+
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    counters["graph_break"]["HOP: Unsafe side effect\n  Explanation: ..."] += 1
+    with pytest.warns(UserWarning, match="skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        _warn_graph_breaks(gm)
+    counters["graph_break"]["Data-dependent branching\n  Explanation: ..."] += 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _warn_graph_breaks(gm)
+        _warn_graph_breaks(gm)  # nothing new: no second warning
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "Data-dependent branching" in message and "HOP" not in message and "skip_fwd" not in message

@@ -143,8 +143,26 @@ def _refuse_parameter_mutation(node: fx.Node, fqn: str) -> None:
                 f"torch.no_grad() before calling the model)")
 
 
+def _refuse_nested_compile_regions(graph: fx.Graph) -> None:
+    """torch.compiler.nested_compile_region makes its function one opaque higher-order op
+    (`invoke_subgraph`) that AOTAutograd partitions on its own: its weights could not be
+    fetched per layer, nor its activations planned. Refuse it, naming where it is called."""
+    invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    for node in graph.nodes:
+        if invoke is not None and node.op == "call_function" and node.target is invoke:
+            trace = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()
+                     if ln.strip().startswith("File ")]
+            where = trace[-1] if trace else "<unknown>"
+            raise UnsupportedError(
+                f"torch.compiler.nested_compile_region (op {node.target}, module {_module_of(node)}, "
+                f"called at {where}): megatrain plans and streams the whole graph layer by layer, "
+                f"and a nested region's body is one opaque op to it; remove the decorator (megatrain "
+                f"compiles the model as one graph anyway)")
+
+
 def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id: int) -> Capture:
     check_inputs(gm, example_inputs)
+    _refuse_nested_compile_regions(gm.graph)
     graph = gm.graph
     region_map = assign_regions(graph)
     placeholders = graph.find_nodes(op="placeholder")

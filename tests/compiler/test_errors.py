@@ -105,3 +105,30 @@ def test_parameter_written_inside_forward_is_refused_naming_op_and_module():
     with pytest.raises(NotImplementedError, match=r"in-place 'mul_' on parameter 'lin.weight'"):
         step(torch.randn(2, 8))
     assert torch.equal(model.lin.weight.detach(), before)
+
+
+def _block(x, weight, bias):
+    return torch.relu(torch.nn.functional.linear(x, weight, bias))
+
+
+# At module scope: dynamo inlines a nested region defined inside a function.
+_nested_block = (torch.compiler.nested_compile_region(_block)
+                 if hasattr(torch.compiler, "nested_compile_region") else None)
+
+
+@pytest.mark.skipif(_nested_block is None, reason="this torch has no torch.compiler.nested_compile_region")
+def test_nested_compile_region_is_refused_naming_the_op_and_the_call():
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers:  # dynamo inlines the first call, whose input needs no grad
+                x = _nested_block(x, layer.weight, layer.bias)
+            return x.sum()
+
+    step = torch.compile(Blocks(), backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    with pytest.raises(NotImplementedError, match=r"nested_compile_region \(op invoke_subgraph.*in forward\).*"
+                                                  r"remove the decorator"):
+        step(torch.randn(2, 8))

@@ -265,8 +265,10 @@ def test_frozen_parameters_stream_and_stay_frozen(optimizer, updates):
     for name, p in model.named_parameters():
         if name in frozen:
             assert p.grad is None and torch.equal(p, frozen[name]), name
+    # The module docstring's bound for parameters after 3 steps: AdamW's first steps are
+    # sign-like, so a gradient near zero summed in another order can flip an update.
     assert rel(torch.cat([p.detach().flatten() for p in trainable]),
-               torch.cat([p.detach().flatten() for p in ref.parameters() if p.requires_grad])) < 1e-5
+               torch.cat([p.detach().flatten() for p in ref.parameters() if p.requires_grad])) < 1e-3
 
 
 def test_a_checkpointed_side_effect_breaks_the_graph_and_the_warning_names_the_fix():

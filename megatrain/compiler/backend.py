@@ -23,7 +23,7 @@ from ..runtime import streamer as streamer_mod
 from ..runtime.host_store import home_parameters
 from . import explain as explain_mod
 from . import update_sites
-from .capture import check_inputs, rehome
+from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
 from .partition import make_partition_fn
@@ -37,13 +37,7 @@ _seen_breaks: collections.Counter = collections.Counter()  # break reason -> cou
 
 def _graph_end(gm: torch.fx.GraphModule) -> str:
     """The user source line of the graph's last op: where dynamo stopped this graph."""
-    for node in reversed(gm.graph.nodes):
-        trace = node.meta.get("stack_trace")
-        if trace:
-            lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-            if lines:
-                return lines[-1]
-    return "<unknown>"
+    return next(filter(None, map(source_line, reversed(gm.graph.nodes))), "<unknown>")
 
 
 # Graph-break reasons (dynamo's gb_type, the start of its counter key) for which a user

@@ -53,6 +53,13 @@ def parameter_fqn(node: fx.Node) -> str:
     return node.name
 
 
+def source_line(node: fx.Node) -> str | None:
+    """The innermost user source line of ``node``'s stack trace ('File "...", line N, in f')."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()
+             if ln.strip().startswith("File ")]
+    return lines[-1] if lines else None
+
+
 def _module_of(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
@@ -148,16 +155,14 @@ def _refuse_nested_compile_regions(graph: fx.Graph) -> None:
     (`invoke_subgraph`) that AOTAutograd partitions on its own: its weights could not be
     fetched per layer, nor its activations planned. Refuse it, naming where it is called."""
     invoke = getattr(torch.ops.higher_order, "invoke_subgraph", None)
-    for node in graph.nodes:
-        if invoke is not None and node.op == "call_function" and node.target is invoke:
-            trace = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines()
-                     if ln.strip().startswith("File ")]
-            where = trace[-1] if trace else "<unknown>"
-            raise UnsupportedError(
-                f"torch.compiler.nested_compile_region (op {node.target}, module {_module_of(node)}, "
-                f"called at {where}): megatrain plans and streams the whole graph layer by layer, "
-                f"and a nested region's body is one opaque op to it; remove the decorator (megatrain "
-                f"compiles the model as one graph anyway)")
+    if invoke is None:
+        return
+    for node in graph.find_nodes(op="call_function", target=invoke):
+        raise UnsupportedError(
+            f"torch.compiler.nested_compile_region (op {node.target}, module {_module_of(node)}, "
+            f"called at {source_line(node) or '<unknown>'}): megatrain plans and streams the whole "
+            f"graph layer by layer, and a nested region's body is one opaque op to it; remove the "
+            f"decorator (megatrain compiles the model as one graph anyway)")
 
 
 def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id: int) -> Capture:

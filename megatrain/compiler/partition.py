@@ -106,7 +106,7 @@ def adopt_regions(graph: fx.Graph, known: set[fx.Node]) -> None:
     inherits from its end), else of the nearest tagged node before it: the run it sits in."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    new = [n for n in nodes if n.op == "call_function" and n not in known and region_of(n) is None]
+    new = {n: None for n in nodes if n.op == "call_function" and n not in known and region_of(n) is None}
 
     def tag(n: fx.Node, r: int) -> None:
         n.meta.setdefault("custom", {})["megatrain_region"] = r

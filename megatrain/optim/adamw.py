@@ -468,9 +468,7 @@ class AdamW(Optimizer):
                 return RESIDENT_NEEDS_BUFFERS
             grads = [self._resident.accumulate(p, g) for p, g in zip(params, grads)]
         if immediate:
-            for gi, (ps, gs) in self._split_by_group(params, grads).items():
-                self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
-            self._resident.clear_grads(params)
+            self._apply_resident(params, grads)
         elif final:
             self._resident.mark_pending(params)
         for p in params if final else ():
@@ -596,6 +594,11 @@ class AdamW(Optimizer):
         if coef is not None:
             for g in grads:
                 g.mul_(coef.to(g.device))
+        self._apply_resident(params, grads)
+
+    def _apply_resident(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """Update resident ``params`` on their device with ``grads``, each group's
+        hyperparameters read now; their waiting-gradient buffers are free again."""
         for gi, (ps, gs) in self._split_by_group(params, grads).items():
             self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
         self._resident.clear_grads(params)

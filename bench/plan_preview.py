@@ -43,12 +43,10 @@ def _stop_after_planning():
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
             keep_weights=False):
         try:
-            raise _Planned(real(fw, bw, params, device, dtype, budget, prefetch, offload, True,
-                                keep_weights))
-        except _Planned:
-            raise
+            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights)
         except Exception as e:  # InfeasibleBudget: its message is the answer
             raise _Planned(error=e) from None
+        raise _Planned(schedule)
 
     backend.schedule_step = spy
     try:

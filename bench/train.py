@@ -633,9 +633,10 @@ def run_system(args) -> dict:
     # The slab sweep: the gradient slabs' bound changed between runs of timed steps on the
     # same compiled model (the first step allocated the default's; extra slabs come lazily).
     slabs_sweep = []
-    for n in (int(v) for v in args.grad_slabs.split(",")) if args.grad_slabs and args.system == "megatrain" else ():
+    for n in ((None if v == "auto" else int(v)) for v in args.grad_slabs.split(",")) \
+            if args.grad_slabs and args.system == "megatrain" else ():
         for streamer in _streamers(megatrain.explain(step_fn)):
-            streamer._slabs.max_slabs = n
+            streamer._slabs.set_max_slabs(n)
         ts, _, _ = run_steps(max(args.steps - args.warmup, 1) + 1, first=False)
         slabs_sweep.append({"grad_slabs": n, "step_s": statistics.median(ts[1:])})
     if args.profile:
@@ -791,7 +792,8 @@ def main(argv=None) -> int:
                         "each optionally with the gradients' transfer dtype")
     p.add_argument("--grad-slabs", default=None,
                    help="megatrain: after the timed steps, time again with each bound on the gradient "
-                        "slabs in this list (2,4,2,4: alternate to see drift)")
+                        "slabs in this list (2,auto,2,auto: alternate to see drift; auto: the "
+                        "default, more while the host lags and host memory has room)")
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device", "resident"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")

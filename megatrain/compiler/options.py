@@ -98,6 +98,17 @@ class Options:
         results, bitwise. Default None (region slabs): on the H200 at 1.3B/16k 64 MiB
         chunks lower the host peak from 12.60 to 12.41 bytes per parameter and cost 8% of
         step time (bench/results/NOTES.md, session 11).
+    grad_slabs: the most host slabs (each the size of the largest region's gradients)
+        that gradients wait in for megatrain.AdamW; past it the backward waits for the host
+        optimizer. None (default): two, and more only while the optimizer lags behind the
+        backward and the host's RAM keeps 1/8 of itself (at least 2 GiB) available
+        (runtime/grad_slabs.py): a lagging host then works through the rest of the
+        backward and the next forward instead of holding the GPU idle. Measured on the
+        H200 at 1.3B/16k, `updates="resident"`, 12 GiB: 0.426 s/step with two slabs, 0.365
+        with up to sixteen (13 used, 3.4 GB of host memory, 2.5 B/param;
+        bench/results/NOTES.md, session 14). An int bounds the host memory they take. With
+        backlog=True, None means two: the backlog keeps the waiting gradients on the device
+        instead.
     keep_weights: let the planner keep the forward's weight buffers of the regions whose
         backward comes first on the device for that backward, as many as fit gpu_memory
         beside the chosen schedule, instead of fetching them a second time: each saves its
@@ -119,6 +130,7 @@ class Options:
     backlog: bool = False
     offload: bool = True
     grad_chunk: int | None = None
+    grad_slabs: int | None = None
     keep_weights: bool = False
 
     @property
@@ -199,11 +211,20 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} with backlog=True: the backlog holds "
                 f"and sends whole regions through region slabs; drop one of the two")
+    grad_slabs = options.get("grad_slabs")
+    if grad_slabs is not None and (isinstance(grad_slabs, bool) or not isinstance(grad_slabs, int)
+                                   or grad_slabs < 1):
+        raise MegatrainValueError(
+            f"grad_slabs={grad_slabs!r}: give the most host gradient slabs, an int >= 1, or "
+            f"None (two, more while the host optimizer lags and host memory has room)")
+    if backlog and grad_slabs is None:
+        grad_slabs = 2
     keep_weights = _flag(options, "keep_weights", False, "the forward's weights of the regions "
                          "whose backward comes first stay on the device for it, where the budget has room")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
-                   backlog=backlog, offload=offload, grad_chunk=grad_chunk, keep_weights=keep_weights)
+                   backlog=backlog, offload=offload, grad_chunk=grad_chunk, grad_slabs=grad_slabs,
+                   keep_weights=keep_weights)
 
 
 def _flag(options: dict, name: str, default: bool, meaning: str) -> bool:

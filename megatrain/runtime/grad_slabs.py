@@ -5,12 +5,26 @@ to a power of two and keeps it, so per-gradient buffers cost up to 2x the gradie
 and as many of them as the optimizer lags behind backward: gigabytes of RSS at 1B
 parameters (the host budget is 12 bytes per parameter). Here a region's gradients are
 packed into one slab sized for the largest region; a slab returns to the free list once
-the optimizer has consumed its gradients, and the runtime waits for one (backpressure)
-rather than growing past `max_slabs`. Host memory for gradients is then a few regions.
-Two by default: one region being updated, the next one copied in and waiting. The host
-never starves with two (a region's copy takes a fraction of its update), and more only
-let backward run further ahead of an optimizer that bounds the step anyway: at 1.3B four
-slabs cost 0.78 B/param of the 12.5 B/param host budget.
+the optimizer has consumed its gradients.
+
+How many: a slab is added only when the backward would otherwise wait for the optimizer
+(or when every slab is still filling, where waiting could only deadlock), and then:
+
+- with ``max_slabs`` given, up to that many; beyond it the backward waits (backpressure);
+- by default (``max_slabs=None``) two (one region being updated, the next one copied in),
+  and past two while host memory has room: the new slab must leave at
+  least ``HOST_FREE_FRACTION`` of the host's RAM (and ``HOST_FREE_MIN``) available. Why:
+  where the host's updates bound the step, a backward that waits for a slab holds the
+  GPU idle while the host works, and then the host idles through the rest of the
+  backward and the next forward, until the first region it must update is needed. On the
+  H200 at 1.3B/16k with ``updates="resident"`` (12 GiB) two slabs gave 0.426 s/step and
+  sixteen 0.365 (bench/results/NOTES.md, session 14): the backward ran free and the host
+  worked through the resident regions' backward and the next forward. A slab is only
+  added while the host lags, so a step the host keeps up with stays at two; a lagging
+  one holds at most about one per host-updated region (a region fills one slab at a
+  time, and the next forward waits for the last update before it reaches the region
+  updated last, so the previous step's slabs are back before the next backward).
+
 Slabs are page-locked in place (host_store.page_locked_tensor), not taken from torch's
 pinned allocator: that one would round a 262 MB slab (a 1.3B model's embedding gradient
 in fp32) up to 512 MB and keep every outgrown slab cached for good.
@@ -25,9 +39,13 @@ import threading
 
 import torch
 
+from . import host_store
 from .host_store import page_locked_tensor
 
 _ALIGN = 64  # bytes: every gradient starts on a cache line
+MIN_SLABS = 2  # always allowed: one region being updated, the next one copied in
+HOST_FREE_FRACTION = 1 / 8  # of the host's RAM, left available by a slab added past MIN_SLABS
+HOST_FREE_MIN = 2 << 30  # bytes, likewise (small hosts)
 
 
 class Slab:
@@ -49,11 +67,13 @@ class Slab:
 class GradSlabs:
     """Slabs per region for one backward at a time (fill on the runtime thread, release
     from the hand-off thread). `slab_bytes` grows with `reserve` (the runtime reserves
-    each region's gradient bytes when it first fetches the region)."""
+    each region's gradient bytes when it first fetches the region). ``max_slabs``: the
+    bound past which the backward waits, or None: grow while host memory has room (see
+    the module docstring)."""
 
-    def __init__(self, pin: bool, max_slabs: int = 2):
+    def __init__(self, pin: bool, max_slabs: int | None = None):
         self.pin = pin
-        self.max_slabs = max_slabs
+        self.max_slabs = _check_max_slabs(max_slabs)
         self.slab_bytes = 0
         self.allocated = 0
         self.own_buffers = 0  # gradients that did not fit their region's slab (see carve)
@@ -94,7 +114,7 @@ class GradSlabs:
                 return False
             if self._free:
                 self._filling[region] = self._free.pop()
-            elif self.allocated < self.max_slabs:
+            elif self._may_add():
                 self.allocated += 1
                 self._filling[region] = Slab(max(self.slab_bytes, _ALIGN), self.pin)
             else:
@@ -109,19 +129,45 @@ class GradSlabs:
     def release(self, slab: Slab) -> None:
         with self._cv:
             slab.used = 0
-            if slab.buf.numel() >= self.slab_bytes:
+            if slab.buf.numel() >= self.slab_bytes and not self._over_bound():
                 self._free.append(slab)
-            else:  # reserved sizes grew since: let this one go
+            else:  # reserved sizes grew since, or the bound was lowered: let this one go
                 self.allocated -= 1
             self._cv.notify()
+
+    def set_max_slabs(self, max_slabs: int | None) -> None:
+        """Change the bound (None: by host memory); free slabs beyond a lowered bound are
+        let go now, slabs in use as they come back."""
+        with self._cv:
+            self.max_slabs = _check_max_slabs(max_slabs)
+            while self._free and self._over_bound():
+                self._free.pop()
+                self.allocated -= 1
+            self._cv.notify_all()
+
+    def _over_bound(self) -> bool:
+        return self.max_slabs is not None and self.allocated > self.max_slabs
+
+    def _may_add(self) -> bool:
+        """Whether one more slab may be allocated now (the caller holds the lock)."""
+        if self.max_slabs is not None:
+            return self.allocated < self.max_slabs
+        if self.allocated < MIN_SLABS:
+            return True
+        mem = host_store.host_memory()
+        if mem is None:
+            return False
+        available, total = mem
+        keep = max(int(total * HOST_FREE_FRACTION), HOST_FREE_MIN)
+        return available - max(self.slab_bytes, _ALIGN) >= keep
 
     def _acquire(self) -> Slab:
         with self._cv:
             while not self._free:
                 sealed = self.allocated - len(self._filling)
-                if self.allocated < self.max_slabs or sealed == 0:
-                    # Room for another, or every slab is still filling (waiting could only
-                    # deadlock): allocate.
+                if sealed == 0 or self._may_add():
+                    # Every slab is still filling (waiting could only deadlock), or room
+                    # for another: allocate.
                     self.allocated += 1
                     return Slab(max(self.slab_bytes, _ALIGN), self.pin)
                 self._waiters += 1
@@ -130,3 +176,11 @@ class GradSlabs:
                 finally:
                     self._waiters -= 1
             return self._free.pop()
+
+
+def _check_max_slabs(max_slabs: int | None) -> int | None:
+    if max_slabs is not None and (isinstance(max_slabs, bool) or not isinstance(max_slabs, int)
+                                  or max_slabs < 1):
+        raise ValueError(f"max_slabs={max_slabs!r}: give an int >= 1, or None (grow while "
+                         "host memory has room)")
+    return max_slabs

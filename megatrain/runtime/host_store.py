@@ -55,6 +55,36 @@ def home_parameters(params: list[torch.nn.Parameter], pin: bool) -> torch.Tensor
     return buf
 
 
+def host_memory() -> tuple[int, int] | None:
+    """(available, total) bytes of host RAM now: psutil if importable, else /proc/meminfo;
+    None where neither answers."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except ImportError:
+        pass
+    fields = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("MemAvailable", "MemTotal"):
+                    fields[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        return None
+    if len(fields) < 2:
+        return None
+    return fields["MemAvailable"], fields["MemTotal"]
+
+
+def available_host_bytes() -> int | None:
+    """Host RAM available now (None: unknown)."""
+    mem = host_memory()
+    return None if mem is None else mem[0]
+
+
 _PAGE = 4096
 # (bytes, CUDA error code) of each page_locked() whose registration failed and fell back to
 # torch's pinned allocator (which rounds up to a power of two): bench/train.py reports it.

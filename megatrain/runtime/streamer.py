@@ -154,7 +154,8 @@ class StepStats:
 
 class Streamer:
     def __init__(self, device: torch.device, compute_dtype: torch.dtype, budget: int,
-                 params: list[torch.nn.Parameter], staging_slots: int = 2):
+                 params: list[torch.nn.Parameter], staging_slots: int = 2,
+                 grad_slabs: int | None = None):
         self.device = device
         self.compute_dtype = compute_dtype
         self.params = params
@@ -183,7 +184,7 @@ class Streamer:
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
-        self._slabs = GradSlabs(pin=self.cuda)
+        self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs)  # the option grad_slabs
         self._ring: GradRing | None = None  # enable_grad_ring
         # Prefetch across graphs (graph_order.py): each phase's first fetch, and fetches
         # started early by the graph that ran before, with the parameters' versions then.

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from megatrain.models import PRESETS, Llama
+from megatrain.runtime import host_store
 
 from . import RefusedError, checkpoint, data, hf, metrics, parallel, plan, plot, tokenizer
 
@@ -368,7 +369,7 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         device_flops=plan.measure_cpu_flops() if cfg.device == "cpu" else None)
     mplan = plan.plan_memory(meta, pcfg)
     del meta
-    avail = plan.available_host_bytes() if available_bytes is None else available_bytes()
+    avail = host_store.available_host_bytes() if available_bytes is None else available_bytes()
     _say(mplan.table(avail))
     plan.check_fits(mplan, avail)
     if pcfg.gpu_memory and mplan.device_total > pcfg.gpu_memory:

@@ -46,23 +46,6 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def available_host_bytes() -> int | None:
-    """Host RAM available now: psutil if importable, else /proc/meminfo MemAvailable."""
-    try:
-        import psutil
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def measure_cpu_flops(seconds: float = 0.2) -> float:
     """fp32 matmul FLOP/s of this CPU with torch's thread count: the best of short trials,
     so a moment of contention from other processes does not skew the plan."""
@@ -203,7 +186,9 @@ def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
         host = {"fp32 master weights": 4 * n, "AdamW moments m, v (fp32)": 8 * n}
         if cfg.optimizer != "megatrain" or cfg.grad_accum > 1 or cfg.clip:
             host["gradients p.grad (fp32)"] = 4 * n
-        host["pinned staging slabs"] = cfg.slots * unit * cb + 2 * unit * 4
+        # gradient slabs: two, more only from spare RAM while the optimizer lags (grad_slabs.py)
+        host["pinned staging slabs (more from spare RAM if the optimizer lags)"] = \
+            cfg.slots * unit * cb + 2 * unit * 4
         host["data (tokens in RAM)"] = cfg.data_bytes
         host["checkpoint shard buffer"] = shard
         dev = {f"weight slots ({cfg.slots} x largest unit)": cfg.slots * unit * cb,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from megatrain.runtime.grad_slabs import GradSlabs
@@ -57,3 +58,66 @@ def test_every_slab_filling_allocates_instead_of_deadlocking():
     a = slabs.carve(0, torch.Size([4]), torch.float32)[1]
     b = slabs.carve(1, torch.Size([4]), torch.float32)[1]  # region 0 has not been sealed
     assert a is not b and slabs.allocated == 2
+
+
+def _lagging_backward(slabs: GradSlabs, regions: int) -> list:
+    """Fill and seal ``regions`` regions' slabs with none released (the optimizer behind)
+    on a thread; returns the slabs it got (the thread may still be blocked)."""
+    got = []
+
+    def backward():
+        for region in range(regions):
+            got.append(slabs.carve(region, torch.Size([16]), torch.float32)[1])
+            slabs.seal(region)
+
+    threading.Thread(target=backward, daemon=True).start()
+    time.sleep(0.3)
+    return got
+
+
+def test_by_default_slabs_grow_while_host_memory_has_room(monkeypatch):
+    from megatrain.runtime import host_store
+
+    total = 64 << 30
+    free = {"bytes": 40 << 30}
+    monkeypatch.setattr(host_store, "host_memory", lambda: (free["bytes"], total))
+    slabs = GradSlabs(pin=False)
+    slabs.reserve(1024)
+    got = _lagging_backward(slabs, 5)
+    assert len(got) == 5 and slabs.allocated == 5, "a lagging optimizer did not get more slabs"
+
+    # Available memory at the floor (1/8 of the RAM): two, then the backward waits.
+    free["bytes"] = total // 8
+    slabs = GradSlabs(pin=False)
+    slabs.reserve(1024)
+    got = _lagging_backward(slabs, 5)
+    assert len(got) == 2 and slabs.allocated == 2
+    slabs.release(got[0])
+    time.sleep(0.2)
+    assert len(got) == 3 and slabs.allocated == 2, "a released slab did not unblock the backward"
+
+
+def test_unknown_host_memory_keeps_two_slabs(monkeypatch):
+    from megatrain.runtime import host_store
+
+    monkeypatch.setattr(host_store, "host_memory", lambda: None)
+    slabs = GradSlabs(pin=False)
+    slabs.reserve(1024)
+    assert len(_lagging_backward(slabs, 4)) == 2
+
+
+def test_a_lowered_bound_lets_slabs_go():
+    slabs = GradSlabs(pin=False, max_slabs=6)
+    slabs.reserve(1024)
+    got = _lagging_backward(slabs, 6)
+    assert slabs.allocated == 6
+    for slab in got[:3]:
+        slabs.release(slab)
+    slabs.set_max_slabs(2)
+    assert slabs.allocated == 3 and not slabs._free, "free slabs beyond the lowered bound were kept"
+    slabs.release(got[3])  # in use when the bound fell: let go as it comes back
+    assert slabs.allocated == 2 and not slabs._free
+    slabs.release(got[4])  # within the bound: kept
+    assert slabs.allocated == 2 and len(slabs._free) == 1
+    with pytest.raises(ValueError, match="max_slabs=0"):
+        slabs.set_max_slabs(0)

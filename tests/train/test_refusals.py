@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatrain.runtime import host_store
 from megatrain.train import plan
 
 from _train_helpers import python_env, run_module, train
@@ -14,7 +15,7 @@ def _refused(capsys, *args) -> str:
 
 
 def test_refuses_when_host_ram_is_short(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan, "available_host_bytes", lambda: 100 << 20)   # 100 MiB free
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 100 << 20)   # 100 MiB free
     out = tmp_path / "run"
     err = _refused(capsys, "--steps", "2", "--seq", "256", "--batch-tokens", "4096",
                    "--out", str(out))
@@ -24,7 +25,7 @@ def test_refuses_when_host_ram_is_short(tmp_path, monkeypatch, capsys):
 
 
 def test_refuses_8b_on_a_small_host(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(plan, "available_host_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(host_store, "available_host_bytes", lambda: 24 << 30)
     err = _refused(capsys, "--model", "8b", "--seq", "256", "--batch-tokens", "4096",
                    "--out", str(tmp_path / "x"))
     # 8.03 B params x 16 B (master, m, v, p.grad in eager) > 24 GiB

@@ -101,14 +101,16 @@ class Options:
     grad_slabs: the most host slabs (each the size of the largest region's gradients)
         that gradients wait in for megatrain.AdamW; past it the backward waits for the host
         optimizer. None (default): two, and more only while the optimizer lags behind the
-        backward and the host's RAM keeps 1/8 of itself (at least 2 GiB) available
-        (runtime/grad_slabs.py): a lagging host then works through the rest of the
-        backward and the next forward instead of holding the GPU idle. Measured on the
-        H200 at 1.3B/16k, `updates="resident"`, 12 GiB: 0.426 s/step with two slabs, 0.365
-        with up to sixteen (13 used, 3.4 GB of host memory, 2.5 B/param;
-        bench/results/NOTES.md, session 14). An int bounds the host memory they take. With
-        backlog=True, None means two: the backlog keeps the waiting gradients on the device
-        instead.
+        backward, some regions' updates bypass the host (resident state, device sites),
+        and the host's RAM keeps 1/8 of itself (at least 2 GiB) available
+        (runtime/grad_slabs.py): a lagging host then works through those regions' backward
+        and the next forward instead of holding the GPU idle. Measured on the H200 at
+        1.3B/16k, `updates="resident"`, 12 GiB: 0.426 s/step with two slabs, 0.365 with up
+        to sixteen (13 used, 3.4 GB of host memory, 2.5 B/param); with every update on
+        the host more slabs bought nothing (3B/16k: 26 slabs, 10.4 GB, 1.39 s against
+        1.31; bench/results/NOTES.md, session 14). An int bounds the host memory they
+        take. With backlog=True, None means two: the backlog keeps the waiting gradients
+        on the device instead.
     keep_weights: let the planner keep the forward's weight buffers of the regions whose
         backward comes first on the device for that backward, as many as fit gpu_memory
         beside the chosen schedule, instead of fetching them a second time: each saves its

@@ -12,18 +12,23 @@ How many: a slab is added only when the backward would otherwise wait for the op
 
 - with ``max_slabs`` given, up to that many; beyond it the backward waits (backpressure);
 - by default (``max_slabs=None``) two (one region being updated, the next one copied in),
-  and past two while host memory has room: the new slab must leave at
-  least ``HOST_FREE_FRACTION`` of the host's RAM (and ``HOST_FREE_MIN``) available. Why:
-  where the host's updates bound the step, a backward that waits for a slab holds the
-  GPU idle while the host works, and then the host idles through the rest of the
-  backward and the next forward, until the first region it must update is needed. On the
-  H200 at 1.3B/16k with ``updates="resident"`` (12 GiB) two slabs gave 0.426 s/step and
-  sixteen 0.365 (bench/results/NOTES.md, session 14): the backward ran free and the host
-  worked through the resident regions' backward and the next forward. A slab is only
-  added while the host lags, so a step the host keeps up with stays at two; a lagging
-  one holds at most about one per host-updated region (a region fills one slab at a
-  time, and the next forward waits for the last update before it reaches the region
-  updated last, so the previous step's slabs are back before the next backward).
+  and past two only while ``overlap()`` says some regions' updates bypass the host
+  optimizer (resident AdamW state, device-site updates) and host memory has room: the
+  new slab must leave at least ``HOST_FREE_FRACTION`` of the host's RAM (and
+  ``HOST_FREE_MIN``) available.
+
+Why: where the host's updates bound the step, a backward that waits for a slab holds the
+GPU idle while the host works, and the host then idles through the regions that need it
+not: on the H200 at 1.3B/16k with ``updates="resident"`` (12 GiB, 12 of 26 regions
+resident) two slabs gave 0.426 s/step and sixteen 0.365 (bench/results/NOTES.md, session
+14): the backward ran free and the host worked through the resident regions' backward and
+the next forward. Where every region goes through the host, more slabs buy nothing: the
+next forward's first region is the last one updated, so it starts when the host is done
+either way (3B/16k, nothing resident: 26 slabs, 10.4 GB of host memory, 1.39 s/step
+against 1.31 with two). A slab is only added while the host lags, and a lagging step holds
+at most about one per host-updated region (a region fills one slab at a time, and the
+next forward waits for the last update before it reaches the region updated last, so the
+previous step's slabs are back before the next backward).
 
 Slabs are page-locked in place (host_store.page_locked_tensor), not taken from torch's
 pinned allocator: that one would round a 262 MB slab (a 1.3B model's embedding gradient
@@ -36,6 +41,7 @@ With the gradient backlog (grad_backlog.py) the runtime asks for a slab without 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -71,9 +77,11 @@ class GradSlabs:
     bound past which the backward waits, or None: grow while host memory has room (see
     the module docstring)."""
 
-    def __init__(self, pin: bool, max_slabs: int | None = None):
+    def __init__(self, pin: bool, max_slabs: int | None = None,
+                 overlap: Callable[[], bool] = lambda: False):
         self.pin = pin
         self.max_slabs = _check_max_slabs(max_slabs)
+        self.overlap = overlap  # whether GPU work that needs no host update exists now
         self.slab_bytes = 0
         self.allocated = 0
         self.own_buffers = 0  # gradients that did not fit their region's slab (see carve)
@@ -154,6 +162,8 @@ class GradSlabs:
             return self.allocated < self.max_slabs
         if self.allocated < MIN_SLABS:
             return True
+        if not self.overlap():
+            return False
         mem = host_store.host_memory()
         if mem is None:
             return False

@@ -184,7 +184,7 @@ class Streamer:
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
-        self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs)  # the option grad_slabs
+        self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs, overlap=self._updates_bypass_host)
         self._ring: GradRing | None = None  # enable_grad_ring
         # Prefetch across graphs (graph_order.py): each phase's first fetch, and fetches
         # started early by the graph that ran before, with the parameters' versions then.
@@ -262,6 +262,13 @@ class Streamer:
             self._measured_steps += 1
             if self._measured_steps == MEASURED_STEP:
                 self.grow_reserve(measured)
+
+    def _updates_bypass_host(self) -> bool:
+        """Whether some regions' updates skip the host optimizer (resident state, device
+        sites): then the backward has GPU work a lagging host can overlap, and the
+        gradient slabs may grow (grad_slabs.py)."""
+        return bool((self.resident is not None and self.resident.regions)
+                    or (self.device_updates is not None and self.device_updates.regions))
 
     def grow_reserve(self, measured_peak: int) -> None:
         """Lend resident regions what a measured step left free beyond the plan's proof.

@@ -1,7 +1,7 @@
 """The option grad_slabs (runtime/grad_slabs.py): how many host slabs gradients may wait in
-for megatrain.AdamW. With the optimizer slowed down so the backward lags, the default adds
-slabs (host memory permitting) where a bound makes the backward wait; the results are the
-same either way, bitwise."""
+for megatrain.AdamW. With the optimizer slowed down so the backward lags, and GPU work
+that needs no host update to overlap, the default adds slabs (host memory permitting)
+where a bound makes the backward wait; the results are the same either way, bitwise."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import megatrain
 from megatrain.errors import MegatrainValueError
 from megatrain.models import Llama
 from megatrain.runtime import host_store
+from megatrain.runtime.streamer import Streamer
 
 from .helpers import SMALL_VOCAB, random_batches, small_llama_config, train_megatrain
 
@@ -32,7 +33,9 @@ def train(model, batches, **options):
 
 @pytest.fixture
 def lagging_host(monkeypatch):
-    """Every region update takes 40 ms longer, and the host has room to spare."""
+    """Every region update takes 40 ms longer, the host has room to spare, and the
+    streamer says some updates bypass the host (as resident regions would on a GPU,
+    which on the CPU either take every region or leave the host path alone)."""
     apply = megatrain.AdamW._apply_region
 
     def slow_apply(self, parts, hypers):
@@ -41,6 +44,7 @@ def lagging_host(monkeypatch):
 
     monkeypatch.setattr(megatrain.AdamW, "_apply_region", slow_apply)
     monkeypatch.setattr(host_store, "host_memory", lambda: (48 << 30, 64 << 30))
+    monkeypatch.setattr(Streamer, "_updates_bypass_host", lambda self: True)
 
 
 def test_slabs_grow_while_the_host_lags_and_a_bound_holds(lagging_host):
@@ -62,3 +66,13 @@ def test_backlog_keeps_two_slabs_and_the_option_is_checked():
     for bad in (0, "many", True):
         with pytest.raises(MegatrainValueError, match=f"grad_slabs={bad!r}"):
             train(model, batches, grad_slabs=bad)
+
+
+@pytest.mark.parametrize("updates, bypass", [("host", False), ("resident", True)])
+def test_slabs_grow_only_beside_updates_that_bypass_the_host(updates, bypass):
+    """Where every update goes through the host the next forward waits for the host's
+    last update whatever the slabs, so they stay at two."""
+    model = Llama(small_llama_config(2))
+    batches = random_batches(SMALL_VOCAB, 2, batch=1, seq=8)
+    slabs = train(model, batches, updates=updates)["slabs"]
+    assert slabs.overlap() is bypass

@@ -75,20 +75,25 @@ def _lagging_backward(slabs: GradSlabs, regions: int) -> list:
     return got
 
 
-def test_by_default_slabs_grow_while_host_memory_has_room(monkeypatch):
+def test_by_default_slabs_grow_beside_overlapping_work_while_host_memory_has_room(monkeypatch):
     from megatrain.runtime import host_store
 
     total = 64 << 30
     free = {"bytes": 40 << 30}
     monkeypatch.setattr(host_store, "host_memory", lambda: (free["bytes"], total))
-    slabs = GradSlabs(pin=False)
+    slabs = GradSlabs(pin=False, overlap=lambda: True)
     slabs.reserve(1024)
     got = _lagging_backward(slabs, 5)
     assert len(got) == 5 and slabs.allocated == 5, "a lagging optimizer did not get more slabs"
 
+    # Nothing for the GPU to do without the host: two.
+    slabs = GradSlabs(pin=False, overlap=lambda: False)
+    slabs.reserve(1024)
+    assert len(_lagging_backward(slabs, 5)) == 2
+
     # Available memory at the floor (1/8 of the RAM): two, then the backward waits.
     free["bytes"] = total // 8
-    slabs = GradSlabs(pin=False)
+    slabs = GradSlabs(pin=False, overlap=lambda: True)
     slabs.reserve(1024)
     got = _lagging_backward(slabs, 5)
     assert len(got) == 2 and slabs.allocated == 2
@@ -101,7 +106,7 @@ def test_unknown_host_memory_keeps_two_slabs(monkeypatch):
     from megatrain.runtime import host_store
 
     monkeypatch.setattr(host_store, "host_memory", lambda: None)
-    slabs = GradSlabs(pin=False)
+    slabs = GradSlabs(pin=False, overlap=lambda: True)
     slabs.reserve(1024)
     assert len(_lagging_backward(slabs, 4)) == 2
 

@@ -74,8 +74,8 @@ class GradSlabs:
     """Slabs per region for one backward at a time (fill on the runtime thread, release
     from the hand-off thread). `slab_bytes` grows with `reserve` (the runtime reserves
     each region's gradient bytes when it first fetches the region). ``max_slabs``: the
-    bound past which the backward waits, or None: grow while host memory has room (see
-    the module docstring)."""
+    bound past which the backward waits, or None: two, more while ``overlap()`` holds and
+    host memory has room (see the module docstring)."""
 
     def __init__(self, pin: bool, max_slabs: int | None = None,
                  overlap: Callable[[], bool] = lambda: False):
@@ -144,8 +144,8 @@ class GradSlabs:
             self._cv.notify()
 
     def set_max_slabs(self, max_slabs: int | None) -> None:
-        """Change the bound (None: by host memory); free slabs beyond a lowered bound are
-        let go now, slabs in use as they come back."""
+        """Change the bound (None: the default's rule); free slabs beyond a lowered bound
+        are let go now, slabs in use as they come back."""
         with self._cv:
             self.max_slabs = _check_max_slabs(max_slabs)
             while self._free and self._over_bound():
@@ -191,6 +191,6 @@ class GradSlabs:
 def _check_max_slabs(max_slabs: int | None) -> int | None:
     if max_slabs is not None and (isinstance(max_slabs, bool) or not isinstance(max_slabs, int)
                                   or max_slabs < 1):
-        raise ValueError(f"max_slabs={max_slabs!r}: give an int >= 1, or None (grow while "
-                         "host memory has room)")
+        raise ValueError(f"max_slabs={max_slabs!r}: give an int >= 1, or None (two, more "
+                         "while updates bypass the host and host memory has room)")
     return max_slabs

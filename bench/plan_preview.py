@@ -106,7 +106,22 @@ def main(argv=None) -> int:
     plan = schedule.plan
     print(f"{args.model} layers={args.layers or 'preset'} tokens={args.tokens} gpu_memory={args.gpu_memory}: "
           f"predicted peak {plan.peak_bytes / 2**30:.3f} GiB, {plan.config}")
+    print(f"  at the peak: {peak_contents(plan)}")
     return 0
+
+
+def peak_contents(plan) -> str:
+    """What the planner counts live where its schedule peaks, largest first: what a leaner
+    plan would have to shrink (the same words as a refused budget's error)."""
+    from megatrain.compiler import planner
+
+    at = plan.schedule.peak_at
+    if at is None:
+        return "-"
+    at = at._replace(step=0)  # live_at walks one step
+    phase = "forward" if at.phase == "fw" else "backward"
+    live = planner.live_at(planner._Shape(plan.schedule.problem), plan.config, at)
+    return f"{phase} of region {at.region}: {planner.describe_live(live)}"
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_backlog_keeps_two_slabs_and_the_option_is_checked():
             train(model, batches, grad_slabs=bad)
 
 
-@pytest.mark.parametrize("updates, bypass", [("host", False), ("resident", True)])
+@pytest.mark.parametrize("updates, bypass", [("host", False), ("resident", True), ("device", True)])
 def test_slabs_grow_only_beside_updates_that_bypass_the_host(updates, bypass):
     """Where every update goes through the host the next forward waits for the host's
     last update whatever the slabs, so they stay at two."""

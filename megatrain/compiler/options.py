@@ -72,8 +72,11 @@ class Options:
         host copies are current only after `opt.synchronize()` (or `state_dict()`), which
         brings the state home until the next step adopts it again. Inside
         `accumulate()`, with clipping or the non-finite check their gradients wait in a
-        device buffer (4 B/param more, from the same free memory) for `step()`. Not yet
-        measured on the GPU.
+        device buffer (4 B/param more, from the same free memory) for `step()`. On the
+        H200 at 1.3B/16k, 12 GiB: 46% of the parameters resident, 0.408 s/step with two
+        gradient slabs, 0.365 with more (0.78x / 0.88x GPU-resident compiled); at 3B/16k
+        nothing fit beside the 10.2 GiB the plan really used (bench/results/NOTES.md,
+        session 14). Not the default until its CUDA tests have run on the GPU.
     backlog: when the host optimizer lags behind backward, keep the gradients of regions
         that find no free host slab on the device (within the memory the plan leaves free;
         beyond it backward waits for a slab as without) and send them to the host earliest

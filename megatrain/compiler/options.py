@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import MegatrainTypeError, MegatrainValueError
+from ..runtime.grad_slabs import check_max_slabs
 from .update_sites import UPDATES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -216,12 +217,7 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} with backlog=True: the backlog holds "
                 f"and sends whole regions through region slabs; drop one of the two")
-    grad_slabs = options.get("grad_slabs")
-    if grad_slabs is not None and (isinstance(grad_slabs, bool) or not isinstance(grad_slabs, int)
-                                   or grad_slabs < 1):
-        raise MegatrainValueError(
-            f"grad_slabs={grad_slabs!r}: give the most host gradient slabs, an int >= 1, or "
-            f"None (two, more while the host optimizer lags and host memory has room)")
+    grad_slabs = check_max_slabs(options.get("grad_slabs"), "grad_slabs")
     if backlog and grad_slabs is None:
         grad_slabs = 2
     keep_weights = _flag(options, "keep_weights", False, "the forward's weights of the regions "

@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import MegatrainValueError
 from . import host_store
 from .host_store import page_locked_tensor
 
@@ -80,7 +81,7 @@ class GradSlabs:
     def __init__(self, pin: bool, max_slabs: int | None = None,
                  overlap: Callable[[], bool] = lambda: False):
         self.pin = pin
-        self.max_slabs = _check_max_slabs(max_slabs)
+        self.max_slabs = check_max_slabs(max_slabs)
         self.overlap = overlap  # whether GPU work that needs no host update exists now
         self.slab_bytes = 0
         self.allocated = 0
@@ -147,7 +148,7 @@ class GradSlabs:
         """Change the bound (None: the default's rule); free slabs beyond a lowered bound
         are let go now, slabs in use as they come back."""
         with self._cv:
-            self.max_slabs = _check_max_slabs(max_slabs)
+            self.max_slabs = check_max_slabs(max_slabs)
             while self._free and self._over_bound():
                 self._free.pop()
                 self.allocated -= 1
@@ -188,9 +189,14 @@ class GradSlabs:
             return self._free.pop()
 
 
-def _check_max_slabs(max_slabs: int | None) -> int | None:
+def check_max_slabs(max_slabs: int | None, name: str = "max_slabs") -> int | None:
+    """``max_slabs`` if it is a bound the pool can keep (an int >= 1, or None: the
+    default's rule), else a MegatrainValueError naming ``name`` (the option grad_slabs
+    is checked here too)."""
     if max_slabs is not None and (isinstance(max_slabs, bool) or not isinstance(max_slabs, int)
                                   or max_slabs < 1):
-        raise ValueError(f"max_slabs={max_slabs!r}: give an int >= 1, or None (two, more "
-                         "while updates bypass the host and host memory has room)")
+        raise MegatrainValueError(
+            f"{name}={max_slabs!r}: give the most host gradient slabs, an int >= 1, or None "
+            f"(two, more while the host optimizer lags, some updates bypass it and host "
+            f"memory has room)")
     return max_slabs

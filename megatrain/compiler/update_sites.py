@@ -129,10 +129,11 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
                    reserve: int) -> tuple[list[int], int]:
     """The regions to keep resident, in the order the runtime acquires them (the end of
     the backward's order first), and the reserve left: each region's
-    ``resident.resident_bytes`` plus one upcast scratch as large as the largest parameter
-    among the candidates (what the runtime's ResidentRegions acquires, or more)."""
+    ``resident.resident_bytes`` plus one upcast scratch (``resident.upcast_scratch_numel``:
+    the largest parameter among the candidates, at most 64 MiB; what the runtime's
+    ResidentRegions acquires, or more)."""
     candidates = [g for g in regions if not g.shared]
-    scratch = 4 * max((params[p].numel() for g in candidates for p in g.pids), default=0)
+    scratch = 4 * resident.upcast_scratch_numel(params[p].numel() for g in candidates for p in g.pids)
     if not candidates or scratch > reserve:
         return [], reserve
     left = reserve - scratch

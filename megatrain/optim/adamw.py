@@ -447,12 +447,16 @@ class AdamW(Optimizer):
         no update yet, or the CPU)."""
         return self._resident.ready_event(p)
 
-    def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor]) -> str | None:
-        """Hand in gradients of resident ``params`` (fp32, on their device, laid out like
-        the params), like :meth:`submit`: applied on the device now, in stream order, with
-        the group's hyperparameters read now; or, where the update must wait (inside
-        ``accumulate()``, with clipping or the non-finite check), summed into the device
-        buffers the caller lent (:meth:`give_resident_buffers`) and applied by ``step()``.
+    def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor],
+                        scratch: Tensor | None = None) -> str | None:
+        """Hand in gradients of resident ``params`` (on their device, the params' shapes),
+        like :meth:`submit`: applied on the device now, in stream order, with the group's
+        hyperparameters read now; or, where the update must wait (inside ``accumulate()``,
+        with clipping or the non-finite check), summed into the device buffers the caller
+        lent (:meth:`give_resident_buffers`) and applied by ``step()``. A gradient not in
+        fp32 and contiguous (the runtime's bf16) is upcast piece by piece into ``scratch``
+        (fp32, on the device, reused in stream order; required for such a gradient), so
+        the scratch need not be as large as the parameter (optim/resident.py).
         Returns why not (None: taken): ``RESIDENT_NEEDS_BUFFERS`` (lend buffers, call
         again) or a reason to take the host path instead (the caller drops the residency)."""
         params, grads = list(params), list(grads)
@@ -466,9 +470,9 @@ class AdamW(Optimizer):
         if not immediate or self._resident.has_grads(params):
             if self._resident.needs_buffers(params):
                 return RESIDENT_NEEDS_BUFFERS
-            grads = [self._resident.accumulate(p, g) for p, g in zip(params, grads)]
+            grads = [self._resident.accumulate(p, g, scratch) for p, g in zip(params, grads)]
         if immediate:
-            self._apply_resident(params, grads)
+            self._apply_resident(params, grads, scratch)
         elif final:
             self._resident.mark_pending(params)
         for p in params if final else ():
@@ -596,11 +600,12 @@ class AdamW(Optimizer):
                 g.mul_(coef.to(g.device))
         self._apply_resident(params, grads)
 
-    def _apply_resident(self, params: list[Tensor], grads: list[Tensor]) -> None:
+    def _apply_resident(self, params: list[Tensor], grads: list[Tensor],
+                        scratch: Tensor | None = None) -> None:
         """Update resident ``params`` on their device with ``grads``, each group's
         hyperparameters read now; their waiting-gradient buffers are free again."""
         for gi, (ps, gs) in self._split_by_group(params, grads).items():
-            self._resident.update(ps, gs, self._hyper(self.param_groups[gi]))
+            self._resident.update(ps, gs, self._hyper(self.param_groups[gi]), scratch)
         self._resident.clear_grads(params)
 
     def _wait_for_step(self, fresh: list[Deferred]) -> None:

@@ -14,7 +14,11 @@ The host copy is the authority at rest, the device copy while training:
 - ``adopt``: master, m, v (zeros at step 0, as the host path would create them) and the
   step count are copied to the device; the host's ``p._version`` is remembered.
 - ``update``: the same fused kernel as every other path (functional.adamw_) on the device
-  tensors, with the group's hyperparameters read now; the host copy is now stale.
+  tensors, with the group's hyperparameters read now; the host copy is now stale. A
+  gradient not in fp32 (the runtime's bf16) is upcast into the runtime's scratch piece by
+  piece (at most UPCAST_PIECE elements, 64 MiB: the scratch does not grow with the
+  largest parameter), each piece updated right after its upcast; the step count moves
+  once, before the first piece, and pieces round like the whole tensor (``update``).
 - ``accumulate`` / ``pending``: where the update must wait (micro-batches under
   ``accumulate()``, clipping, the non-finite check) the gradient is summed into a device
   buffer the runtime lends (as the host path sums into ``p.grad``), and ``AdamW.step()``
@@ -42,7 +46,7 @@ device paths bitwise equal).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +57,19 @@ from . import functional
 
 # Per tensor: the caching allocator rounds every block up to 512 bytes; the step count.
 _BLOCK = 512
+# The most elements of a low-precision gradient upcast (into the runtime's fp32 scratch:
+# 64 MiB) and applied in one fused call; a larger parameter is updated piece by piece. A
+# multiple of functional.PIECE_ALIGN (the CPU kernel's pieces round like the whole tensor)
+# and of CUDA's multi_tensor_apply chunk (65536 elements: the kernel's blocks cover the
+# same elements, aligned alike, as for the whole tensor). Large enough that the two
+# launches per piece cost little beside its ~0.1 ms of memory traffic on an H100.
+UPCAST_PIECE = 1 << 24
+
+
+def upcast_scratch_numel(numels: Iterable[int]) -> int:
+    """Elements of the fp32 scratch the runtime upcasts gradients of parameters of
+    ``numels`` elements into: the largest, at most UPCAST_PIECE."""
+    return min(UPCAST_PIECE, max(numels, default=0))
 
 
 def resident_bytes(shapes: Sequence[Sequence[int]]) -> int:
@@ -126,13 +143,36 @@ class ResidentState:
         return self._entries[p].updated
 
     @torch.no_grad()
-    def update(self, params: Sequence[Tensor], grads: Sequence[Tensor], hyper: dict[str, float]) -> None:
+    def update(self, params: Sequence[Tensor], grads: Sequence[Tensor], hyper: dict[str, float],
+               scratch: Tensor | None = None) -> None:
         """One AdamW step of ``params`` on their device state, on the current stream.
-        ``grads``: fp32, laid out like the params (the runtime upcasts)."""
+        ``grads``: on the device, the params' shapes. One in fp32 and contiguous (like the
+        master) is read where it is; any other is upcast into ``scratch`` (fp32, reused in
+        stream order) piece by piece, each piece's update right after its upcast. Every
+        step count moves once, before any piece (each piece's kernel reads it for the bias
+        correction), and a parameter is cut only at multiples of PIECE_ALIGN, so results
+        are bitwise those of one call on the whole upcast gradient (AdamW is elementwise;
+        functional.adamw_at_step_)."""
         entries = [self._entries[p] for p in params]
-        functional.adamw_(
-            [e.master for e in entries], list(grads), [e.exp_avg for e in entries],
-            [e.exp_avg_sq for e in entries], [e.step for e in entries], **hyper)
+        if not entries:
+            return
+        grads = list(grads)
+        direct = [_in_place(g) for g in grads]
+        if not all(direct):
+            _check_scratch(scratch, [e.master for e, d in zip(entries, direct) if not d])
+        torch._foreach_add_([e.step for e in entries], 1)
+        pick = [(e, g) for e, g, d in zip(entries, grads, direct) if d]
+        functional.adamw_at_step_(
+            [e.master for e, _ in pick], [g for _, g in pick], [e.exp_avg for e, _ in pick],
+            [e.exp_avg_sq for e, _ in pick], [e.step for e, _ in pick], **hyper)
+        for e, g, d in zip(entries, grads, direct):
+            if d:
+                continue
+            master, m, v = (t.view(-1) for t in (e.master, e.exp_avg, e.exp_avg_sq))
+            for start, k in _pieces(master.numel(), scratch):
+                functional.adamw_at_step_(
+                    [master[start:start + k]], [_flat_range(scratch[:k], g, start)],
+                    [m[start:start + k]], [v[start:start + k]], [e.step], **hyper)
         event = None
         if entries and entries[0].master.device.type == "cuda":
             event = torch.cuda.Event()
@@ -152,15 +192,22 @@ class ResidentState:
         return any(self._entries[p].has_grad for p in params)
 
     @torch.no_grad()
-    def accumulate(self, p: Tensor, grad: Tensor) -> Tensor:
+    def accumulate(self, p: Tensor, grad: Tensor, scratch: Tensor | None = None) -> Tensor:
         """Sum ``grad`` into ``p``'s device buffer like autograd into p.grad (copy when
-        empty, else add: the host path's bits); returns the sum."""
+        empty, else add: the host path's bits); returns the sum. A ``grad`` not in fp32
+        and contiguous is copied (upcasting is exact), or added from ``scratch`` piece by
+        piece as ``update`` reads it."""
         e = self._entries[p]
-        if e.has_grad:
-            e.grad.add_(grad)
-        else:
+        if not e.has_grad:
             e.grad.copy_(grad)
             e.has_grad = True
+        elif _in_place(grad):
+            e.grad.add_(grad)
+        else:
+            _check_scratch(scratch, [e.grad])
+            flat = e.grad.view(-1)
+            for start, k in _pieces(flat.numel(), scratch):
+                flat[start:start + k].add_(_flat_range(scratch[:k], grad, start))
         return e.grad
 
     def mark_pending(self, params: Sequence[Tensor]) -> None:
@@ -242,3 +289,51 @@ class ResidentState:
                 torch.cuda.synchronize(device)
         for p in params:
             del self._entries[p]
+
+
+def _in_place(grad: Tensor) -> bool:
+    """Whether the update reads ``grad`` where it is: fp32, laid out like the master."""
+    return grad.dtype == torch.float32 and grad.is_contiguous()
+
+
+def _check_scratch(scratch: Tensor | None, masters: list[Tensor]) -> None:
+    if scratch is None or scratch.dtype != torch.float32 or not scratch.is_contiguous() or any(
+            t.device != scratch.device for t in masters):
+        raise ValueError("megatrain.AdamW: a resident gradient not in fp32 laid out like its "
+                         "parameter needs an fp32 scratch on the device to be upcast into")
+    if any(t.numel() > scratch.numel() for t in masters) and scratch.numel() < functional.PIECE_ALIGN:
+        raise ValueError(f"megatrain.AdamW: an upcast scratch of {scratch.numel()} elements "
+                         f"cannot hold a piece of {functional.PIECE_ALIGN}")
+
+
+def _pieces(numel: int, scratch: Tensor) -> list[tuple[int, int]]:
+    """(start, elements) of the pieces a tensor of ``numel`` elements is updated in: one,
+    if the scratch holds it; else cut at multiples of PIECE_ALIGN (rounding like the whole)."""
+    if numel <= scratch.numel():
+        return [(0, numel)] if numel else []
+    size = scratch.numel() // functional.PIECE_ALIGN * functional.PIECE_ALIGN
+    return [(start, min(size, numel - start)) for start in range(0, numel, size)]
+
+
+def _flat_range(out: Tensor, t: Tensor, start: int) -> Tensor:
+    """``out.copy_(t.reshape(-1)[start:start + out.numel()])`` (returned) without the copy
+    of all of ``t`` that reshape makes of a non-contiguous ``t``: whole rows at once, the
+    partial first and last rows recursively."""
+    k = out.numel()
+    if k == 0:
+        return out
+    if t.is_contiguous() or t.dim() <= 1:
+        return out.copy_(t.reshape(-1)[start:start + k])
+    row = t[0].numel()
+    i, end, pos = start // row, start + k, 0
+    if start % row:
+        pos = min(k, row - start % row)
+        _flat_range(out[:pos], t[i], start % row)
+        i += 1
+    full = end // row - i
+    if pos < k and full > 0:
+        out[pos:pos + full * row].view(full, *t.shape[1:]).copy_(t[i:i + full])
+        pos, i = pos + full * row, i + full
+    if pos < k:
+        _flat_range(out[pos:], t[i], 0)
+    return out

@@ -5,15 +5,20 @@ For a region the plan made resident (megatrain.compiler.update_sites):
 
     placement: its bytes (``resident.resident_bytes``: 12 per parameter) are acquired in
         the streamer's reserve, the memory the plan leaves free, for good; one fp32 upcast
-        scratch (the largest such parameter) beside them. Candidates that do not fit keep
+        scratch beside them, as large as the largest such parameter but at most
+        ``resident.UPCAST_PIECE`` elements (64 MiB; ``resident.upcast_scratch_numel``): a
+        larger one is upcast and updated piece by piece, so the scratch does not grow with
+        the largest parameter (a 3B model's embedding would need 0.37 GiB, which on the
+        H200 kept that embedding off the device). Candidates that do not fit keep
         their other site until the reserve grows (``Streamer.grow_reserve``, from the
         second step's measured peak); ``acquire`` then admits them in the same order.
     fetch: the first one adopts the region (``AdamW.make_resident``: master, m, v copied to
         the device once); every fetch then casts the device master into the plan's weight
         buffer on the copy stream, after the region's last update (its event): no PCIe, no
         host memory.
-    hand-off of each gradient: upcast into the scratch and ``AdamW.update_resident``, on
-        the compute stream, in stream order: the gradient's memory, which Inductor reuses
+    hand-off of each gradient: ``AdamW.update_resident`` with the scratch, which upcasts
+        it there piece by piece, each piece's update right after its upcast, on the
+        compute stream, in stream order: the gradient's memory, which Inductor reuses
         right after the hand-off, has been read before anything can overwrite it, so the
         region needs no gradient buffer and no copy. Where the update must wait
         (micro-batches, clipping, the non-finite check) the optimizer asks for one: an
@@ -59,8 +64,8 @@ class ResidentRegions:
         self.buffered: dict[int, int] = {}  # region -> reserve bytes of its gradient buffer
         self.updates = 0  # resident updates run, for tests and benchmarks
         self.demoted: dict[int, str] = {}  # region -> why it left the device
-        numel = max((params[p].numel() for pids in candidates.values() for p in pids), default=0)
-        self._scratch_bytes = 4 * numel
+        self._scratch_bytes = 4 * resident_mod.upcast_scratch_numel(
+            params[p].numel() for pids in candidates.values() for p in pids)
         self._scratch_held = False
         self._scratch: torch.Tensor | None = None
         self.acquire()
@@ -120,10 +125,11 @@ class ResidentRegions:
         opt = owner_of(param)
         if opt is None or not hasattr(opt, "is_resident") or not opt.is_resident(param):
             return False  # not adopted yet, or a host path took it home: the host path
-        g = self._fp32(grad, param)
-        reason = opt.update_resident([param], [g])
+        in_place = grad.dtype == torch.float32 and grad.is_contiguous()  # else upcast
+        scratch = None if in_place else self._upcast_scratch()
+        reason = opt.update_resident([param], [grad], scratch)
         if reason == RESIDENT_NEEDS_BUFFERS and self._lend_buffers(region, opt):
-            reason = opt.update_resident([param], [g])
+            reason = opt.update_resident([param], [grad], scratch)
         if reason is not None:
             self.demote(region, reason)
             return False
@@ -172,14 +178,12 @@ class ResidentRegions:
         for region in self.candidates:
             self.demoted.setdefault(region, reason)
 
-    def _fp32(self, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        """``grad`` as fp32 laid out like the (contiguous) device master: itself when it is
-        already, else upcast into the scratch (reused in stream order)."""
-        if grad.dtype == torch.float32 and grad.is_contiguous():
-            return grad
+    def _upcast_scratch(self) -> torch.Tensor:
+        """The fp32 scratch gradients not in fp32 (or not contiguous) are upcast into,
+        piece by piece (reused in stream order); allocated at its first use."""
         if self._scratch is None:
             self._scratch = torch.empty(self._scratch_bytes // 4, dtype=torch.float32, device=self.device)
-        return self._scratch[:grad.numel()].view(param.shape).copy_(grad)
+        return self._scratch
 
     def _free_scratch(self) -> None:
         if self._scratch_held:

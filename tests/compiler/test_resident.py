@@ -81,7 +81,7 @@ def residency_costs(model, batches):
     params = dict(model.named_parameters())
     need = {r.id: resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
             for r in plan.regions if r.param_fqns}
-    return plan, need, 4 * max(p.numel() for p in model.parameters())
+    return plan, need, 4 * resident_mod.upcast_scratch_numel(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("tied,precision", [(False, "fp32"), (True, "fp32"), (False, "bf16")])
@@ -378,3 +378,73 @@ def test_optimizer_state_alone_or_a_new_optimizer_keep_the_newest_weights():
 
     out = side_by_side(model, reload_and_replace)
     assert torch.equal(out["resident"], out["host"])
+
+
+@pytest.mark.parametrize("micro", [False, True], ids=["immediate", "micro-batches"])
+def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise(monkeypatch, micro):
+    """ResidentRegions upcasts bf16 gradients into a scratch of at most UPCAST_PIECE
+    elements (the reserve holds no more), so a larger parameter is upcast and updated piece
+    by piece: its step counted once, every bit as torch.optim.AdamW(fused=True) on the
+    whole fp32 gradient, a non-contiguous gradient included; with micro-batches the second
+    one is added to the device buffer piece by piece too."""
+    from megatrain.optim import functional
+    from megatrain.runtime.pool import DevicePool, Reserve
+    from megatrain.runtime.resident_regions import ResidentRegions
+
+    piece = 3 * functional.PIECE_ALIGN
+    monkeypatch.setattr(resident_mod, "UPCAST_PIECE", piece)
+    seen = []  # elements per fused call of the resident updates
+    fused = functional.adamw_at_step_
+    monkeypatch.setattr(functional, "adamw_at_step_",
+                        lambda ps, *a, **k: (seen.extend(p.numel() for p in ps), fused(ps, *a, **k)))
+    g = torch.Generator().manual_seed(11)
+    # Cut into pieces (a tail off PIECE_ALIGN; a transposed gradient), exactly one, less.
+    shapes = [(37, 29), (1000,), (64, 3), (5, 7)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.5) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = megatrain.AdamW(params, lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    reserve = Reserve(DevicePool(1 << 30), 1 << 30)
+    regions = ResidentRegions(torch.device("cpu"), params, {0: [0, 1, 2, 3]}, reserve)
+    state = resident_mod.resident_bytes(shapes)
+    assert regions.regions == {0: [0, 1, 2, 3]}
+    assert regions.held_bytes == reserve.live == state + 4 * piece  # not 4 * 37 * 29
+    assert regions.sources(0, params) is not None
+
+    def bf16(shape):
+        if len(shape) == 2 and shape[0] > 32:  # laid out transposed, like some matmul grads
+            return torch.randn(shape[::-1], generator=g).to(torch.bfloat16).t()
+        return torch.randn(shape, generator=g).to(torch.bfloat16)
+
+    for _ in range(3):
+        grads = [bf16(s) for s in shapes]
+        assert not grads[0].is_contiguous()
+        if micro:
+            first = [bf16(s) for s in shapes]
+            with opt.accumulate():
+                assert all(regions.take(x, 0, p) for p, x in zip(params, first))
+            for q, x, y in zip(ref, first, grads):
+                q.grad = x.float().contiguous() + y.float().contiguous()
+        else:
+            for q, x in zip(ref, grads):
+                q.grad = x.float().contiguous()
+        assert all(regions.take(x, 0, p) for p, x in zip(params, grads))
+        opt.step()
+        opt.zero_grad()
+        torch_opt.step()
+    assert not regions.demoted and regions.updates == (6 if micro else 3) * len(shapes)
+    if micro:  # the summed gradients wait in fp32 device buffers: updated whole
+        assert seen == 3 * [37 * 29, 1000, 192, 35]
+    else:
+        assert seen == 3 * ([piece] * 5 + [37 * 29 - 5 * piece] + [piece] * 5 + [1000 - 5 * piece]
+                            + [192, 35])
+    assert set(regions.buffered) == ({0} if micro else set())
+    assert reserve.live == regions.held_bytes
+    opt.synchronize()
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], torch_opt.state[q][key]), key
+    assert float(opt.state[params[0]]["step"]) == 3
+    regions.demote_all("done")
+    assert reserve.live == 0

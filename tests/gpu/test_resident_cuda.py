@@ -84,3 +84,50 @@ def test_clipped_resident_training_matches_the_host_path_on_cuda():
     params = [p.detach() for p in res["model"].parameters()]
     reference = [p.detach() for p in host["model"].parameters()]
     assert_runs_agree(model, params, reference, res["losses"], host["losses"])
+
+
+def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise_on_cuda(monkeypatch):
+    """A parameter larger than the upcast scratch (resident.UPCAST_PIECE elements, made
+    65536 here: CUDA's multi_tensor_apply chunk, of which the real one is a multiple) is
+    upcast and updated piece by piece, its step counted once, a transposed gradient too:
+    bitwise torch.optim.AdamW(fused=True) on the whole fp32 gradient on the GPU (the same
+    kernel, its blocks over the same elements)."""
+    from megatrain.optim import AdamW
+    from megatrain.optim import resident as resident_mod
+    from megatrain.runtime.host_store import home_parameters
+    from megatrain.runtime.pool import DevicePool, Reserve
+    from megatrain.runtime.resident_regions import ResidentRegions
+
+    piece = 1 << 16
+    monkeypatch.setattr(resident_mod, "UPCAST_PIECE", piece)
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    shapes = [(700, 300), ((1 << 16) + 5,), (64, 3), (5, 7)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.5) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().to(device)) for p in params]
+    home_parameters(params, pin=True)
+    opt = AdamW(params, lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    reserve = Reserve(DevicePool(1 << 30), 1 << 30)
+    regions = ResidentRegions(device, params, {0: [0, 1, 2, 3]}, reserve)
+    assert reserve.live == regions.held_bytes == resident_mod.resident_bytes(shapes) + 4 * piece
+    assert regions.sources(0, params) is not None
+    for _ in range(3):
+        grads = [torch.randn(s[::-1], generator=g).to(torch.bfloat16).t() if len(s) == 2 and s[0] > 64
+                 else torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+        on_device = [x.to(device) for x in grads]
+        assert not on_device[0].is_contiguous()
+        torch.cuda._sleep(100_000_000)  # the compute stream stays busy while we queue
+        for p, x in zip(params, on_device):
+            assert regions.take(x, 0, p)
+        for q, x in zip(ref, on_device):
+            q.grad = x.float().contiguous()
+        torch_opt.step()
+        opt.step()
+        opt.zero_grad()
+    assert regions.updates == 12 and not regions.demoted
+    opt.synchronize()
+    for p, q in zip(params, ref):
+        assert torch.equal(p.detach(), q.detach().cpu())
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], torch_opt.state[q][key].cpu()), key

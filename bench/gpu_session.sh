@@ -5,13 +5,13 @@
 # the rest; logs, rows and profiles go to $OUT.
 #   bash bench/gpu_session.sh
 # Env:
-#   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 1.3B
-#                  at 16k tokens, megatrain with resident AdamW state beside resident
-#                  compiled, then the gradient-slab sweep 2,auto,2,auto in the same
-#                  process: the default slabs' A/B, bench/results/NOTES.md session 14; 3
-#                  warm-up steps: the reserve grows after step 2 and step 3 adopts the
-#                  regions it admits, a one-time upload; a megatrain child took ~120 s at
-#                  1.3B on a cold compile cache); "" skips
+#   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 3B
+#                  at 16k tokens, 12 GiB, megatrain with resident AdamW state and the fused
+#                  loss, without and with backlog="host", beside resident compiled: the
+#                  host backlog's A/B, bench/results/NOTES.md session 15; 3 warm-up
+#                  steps: the reserve grows after step 2 and step 3 adopts the regions it
+#                  admits, a one-time upload; three 3B children fit one call's 575 s in
+#                  session 14); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
@@ -43,7 +43,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 1.3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain+updates=resident --grad-slabs 2,auto,2,auto --steps 6 --warmup 3"
+default_run="--model 3b --tokens 16384 --gpu-memory 12GiB --systems resident-compiled,megatrain+updates=resident+kernels=linear_cross_entropy,megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host --steps 5 --warmup 3"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

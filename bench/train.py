@@ -451,7 +451,7 @@ def _megatrain_stats(step_fn) -> dict:
             "grad_own_buffers": sum(s._slabs.own_buffers for s in streamers),
             "grad_ring_bytes": sum(s._ring.allocated * s._ring.chunk_bytes for s in streamers if s._ring),
             # the device memory the plan leaves free (device-site updates, the backlog) and
-            # how many regions' gradients waited there over the whole run (backlog=True)
+            # how many regions' gradients waited there over the whole run (backlog="device")
             "update_reserve_bytes": sum(s.reserve.nbytes for s in streamers if s.reserve is not None),
             # ... as the compile planned it (updates="resident" grows it from a measured step)
             "update_reserve_planned_bytes": sum(g.update_reserve for g in plan.graphs),
@@ -472,6 +472,8 @@ def _megatrain_stats(step_fn) -> dict:
             "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
             "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
             "slab_wait_s": sum(s.slab_wait_s for s in stats),
+            # backlog: regions whose update the last backward's end deferred into the forward
+            "deferred_regions": sum(s.deferred_regions for s in stats),
             "cast_wait_s": sum(s.cast_wait_s for s in stats),
             "fetch_paths": dict(sum((s.fetch_paths for s in stats), collections.Counter())),
             "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
@@ -549,7 +551,7 @@ def run_system(args) -> dict:
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
         if args.backlog:
-            options["backlog"] = True
+            options["backlog"] = args.backlog
         if args.grad_ring:
             options["grad_chunk"] = args.grad_ring
         if args.no_offload:
@@ -749,7 +751,7 @@ def _error_text(stderr: str, returncode: int) -> str:
 
 
 def _child(args, argv, system: str, layers: int | None = None) -> dict:
-    """Run one system in its own process; "megatrain+backlog" adds --backlog to its flags,
+    """Run one system in its own process; "megatrain+backlog=host" adds --backlog=host to its flags,
     "megatrain+grad-ring=128MiB" --grad-ring=128MiB (variants of one system, alternated in
     one run, compare side by side)."""
     base, *flags = system.split("+")
@@ -785,7 +787,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--systems", default="resident-compiled,resident,fsdp2-offload,megatrain",
                    help="comma-separated, run in order; a variant adds flags to one entry "
-                        "(megatrain+backlog); repeat entries (A,B,A,B) to see drift")
+                        "(megatrain+backlog=host); repeat entries (A,B,A,B) to see drift")
     p.add_argument("--device", default="cuda")
     p.add_argument("--precision", default="bf16")
     p.add_argument("--gpu-memory", default=None)
@@ -799,8 +801,10 @@ def main(argv=None) -> int:
     p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
     p.add_argument("--updates", default="host", choices=("host", "auto", "device", "resident"),
                    help="megatrain: where AdamW updates run (compile option `updates`)")
-    p.add_argument("--backlog", action="store_true",
-                   help="megatrain: compile option `backlog` (gradients wait on the device, EDF updates)")
+    p.add_argument("--backlog", default=None, choices=("host", "device"),
+                   help="megatrain: compile option `backlog` (EDF updates, the rest deferred into the "
+                        "next forward; gradients wait in host slabs or on the device); variant "
+                        "megatrain+backlog=host")
     p.add_argument("--grad-ring", nargs="?", const=GRAD_RING_CHUNK, default=None, metavar="SIZE",
                    help=f"megatrain: compile option grad_chunk=SIZE (default {GRAD_RING_CHUNK!r}): "
                         "gradients cross in a ring of fixed-size chunks instead of two region slabs")
@@ -844,7 +848,7 @@ def main(argv=None) -> int:
     for system in systems:
         if system.split("+")[0] not in SYSTEMS:
             raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)} "
-                             "(a variant adds flags: megatrain+backlog)")
+                             "(a variant adds flags: megatrain+backlog=host)")
     depths = [int(n) for n in args.layers.split(",")] if args.layers else [None]
     meta = run_metadata()
     start = time.perf_counter()
@@ -908,7 +912,8 @@ def main(argv=None) -> int:
                   f"{r.get('cast_wait_s', 0):.3f} s; weight fetch paths {r.get('fetch_paths')}; "
                   f"reserve beside the plan {r.get('update_reserve_bytes', 0) / 2**30:.2f} GiB "
                   f"(planned {(r.get('update_reserve_planned_bytes') or 0) / 2**30:.2f}), "
-                  f"regions backlogged over the run {r.get('backlogged_regions_total')}; "
+                  f"regions backlogged over the run {r.get('backlogged_regions_total')}, "
+                  f"deferred at the last backward's end {r.get('deferred_regions')}; "
                   f"resident regions {r.get('resident_regions')} "
                   f"({(r.get('resident_bytes') or 0) / 2**30:.2f} GiB, sent home {r.get('resident_demoted')}), "
                   f"device-update sites {r.get('device_update_sites')}")

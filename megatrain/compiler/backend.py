@@ -250,8 +250,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             streamer.expect_gradients(per_param, per_region)
             _share_cores(cap.params, opts)
             _place_updates(plan, streamer, handoffs, cap.params, opts)
-            if opts.backlog:
-                streamer.enable_backlog(handoffs)
+            if opts.backlog is not None:
+                streamer.enable_backlog(opts.backlog, handoffs)
             elif opts.grad_chunk is not None:
                 streamer.enable_grad_ring(opts.grad_chunk)
         return fw, bw

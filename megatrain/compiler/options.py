@@ -78,15 +78,22 @@ class Options:
         gradient slabs, 0.365 with more (0.78x / 0.88x GPU-resident compiled); at 3B/16k
         nothing fit beside the 10.2 GiB the plan really used (bench/results/NOTES.md,
         session 14). Not the default until its CUDA tests have run on the GPU.
-    backlog: when the host optimizer lags behind backward, keep the gradients of regions
-        that find no free host slab on the device (within the memory the plan leaves free;
-        beyond it backward waits for a slab as without) and send them to the host earliest
-        deadline first, the deadline being the region's fetch in the next forward: region 0
-        is updated first and the next forward overlaps the remaining updates
-        (megatrain.runtime.grad_backlog). Same results, bitwise. Default False: measured on
-        the H200 at 1.3B/16k it made the step 55% slower (0.929 s against 0.601): the
-        step was already at the host-memory bound and the host's update time nearly
-        doubled, for a cause not yet known (bench/results/NOTES.md, session 11).
+    backlog: the order in which regions reach a host optimizer that lags behind backward.
+        None (default): arrival order (last layer first), and backward's end waits for
+        every update, so the next forward, which needs region 0 (updated last) first,
+        starts when the host is done. "host": earliest deadline first, the deadline being
+        the region's first fetch in the forward; at backward's end the regions not yet
+        updated are deferred (megatrain.AdamW.defer) and the next forward runs beside their
+        updates, each fetch waiting for its own region (megatrain.runtime.deadlines); their
+        gradients wait in host slabs, which grow into spare host RAM (see grad_slabs).
+        "device": the same, but gradients that find no free slab wait on the device
+        (within the memory the plan leaves free; beyond it backward waits for a slab) and
+        the slabs stay two (megatrain.runtime.grad_backlog). Same results, bitwise; where
+        the optimizer needs every gradient first (clipping, the non-finite check,
+        accumulate()) backward's end waits as with None. Default None until measured:
+        "device" made the step 55% slower on the H200 at 1.3B/16k (0.929 s against 0.601;
+        the host's update time nearly doubled, cause unknown; bench/results/NOTES.md,
+        session 11); "host" is not measured on the GPU yet.
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
@@ -94,7 +101,7 @@ class Options:
         H200 (3B, 32k tokens, gpu_memory=12GiB, which refuses without it) it ran at 0.92x
         GPU-resident compiled training, peak 9.6 GiB (runtime/activation_offload.py).
         False: every boundary activation stays on the device.
-    grad_chunk: with megatrain.AdamW and backlog=False, send gradients to the host through
+    grad_chunk: with megatrain.AdamW and no backlog, send gradients to the host through
         a ring of 4 chunks of this many bytes (e.g. "64MiB"), each handed to the optimizer
         as it fills, instead of two slabs of the largest region's gradients
         (runtime/grad_ring.py): host memory for gradients becomes 4 x grad_chunk, not
@@ -112,9 +119,10 @@ class Options:
         1.3B/16k, `updates="resident"`, 12 GiB: 0.426 s/step with two slabs, 0.365 with up
         to sixteen (13 used, 3.4 GB of host memory, 2.5 B/param); with every update on
         the host more slabs bought nothing (3B/16k: 26 slabs, 10.4 GB, 1.39 s against
-        1.31; bench/results/NOTES.md, session 14). An int bounds the host memory they
-        take. With backlog=True, None means two: the backlog keeps the waiting gradients
-        on the device instead.
+        1.31; bench/results/NOTES.md, session 14). With backlog="host" they grow past two
+        for it too (the deferred updates overlap the next forward). An int bounds the host
+        memory they take. With backlog="device", None means two: the waiting gradients
+        stay on the device instead.
     keep_weights: let the planner keep the forward's weight buffers of the regions whose
         backward comes first on the device for that backward, as many as fit gpu_memory
         beside the chosen schedule, instead of fetching them a second time: each saves its
@@ -133,7 +141,7 @@ class Options:
     lowering: str = "inductor"
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
     updates: str = "host"
-    backlog: bool = False
+    backlog: str | None = None
     offload: bool = True
     grad_chunk: int | None = None
     grad_slabs: int | None = None
@@ -147,6 +155,7 @@ class Options:
 _PRECISIONS = ("bf16", "fp32")
 _MIN_GRAD_CHUNK = 4096  # bytes: room for an aligned piece (grad_ring.py), tests use tiny chunks
 _LOWERINGS = ("inductor", "eager")
+_BACKLOGS = ("host", "device")
 
 
 def parse_options(options: dict | None) -> Options:
@@ -202,8 +211,13 @@ def parse_options(options: dict | None) -> Options:
         raise MegatrainValueError(
             f"updates={updates!r}: use one of {UPDATES} (where each region's megatrain.AdamW "
             f"update runs: chosen by the cost model, always the host, or the compute device)")
-    backlog = _flag(options, "backlog", False, "keep gradients on the device while the host "
-                    "optimizer catches up, updated earliest deadline first")
+    backlog = options.get("backlog")
+    if backlog is not None and (not isinstance(backlog, str) or backlog not in _BACKLOGS):
+        raise MegatrainValueError(
+            f"backlog={backlog!r}: give 'host' (gradients the host optimizer has not reached "
+            f"wait in host slabs, updated earliest deadline first, the rest deferred into the "
+            f"next forward), 'device' (the same, waiting on the device while no slab is free), "
+            f"or None (arrival order; backward's end waits for every update)")
     offload = _flag(options, "offload", True, "boundary activations may wait in host memory "
                     "between the passes when the plan needs it")
     grad_chunk = options.get("grad_chunk")
@@ -213,12 +227,12 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} is {grad_chunk} bytes: give at least "
                 f"{_MIN_GRAD_CHUNK} (a few MiB or more keeps the hand-offs few), or None")
-        if backlog:
+        if backlog is not None:
             raise MegatrainValueError(
-                f"grad_chunk={options['grad_chunk']!r} with backlog=True: the backlog holds "
-                f"and sends whole regions through region slabs; drop one of the two")
+                f"grad_chunk={options['grad_chunk']!r} with backlog={backlog!r}: the backlog "
+                f"orders and sends whole regions through region slabs; drop one of the two")
     grad_slabs = check_max_slabs(options.get("grad_slabs"), "grad_slabs")
-    if backlog and grad_slabs is None:
+    if backlog == "device" and grad_slabs is None:
         grad_slabs = 2
     keep_weights = _flag(options, "keep_weights", False, "the forward's weights of the regions "
                          "whose backward comes first stay on the device for it, where the budget has room")

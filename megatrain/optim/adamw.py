@@ -74,8 +74,8 @@ class AdamW(Optimizer):
       and the next ``step()`` wait for all of them; read those parameters directly
       (outside the compiled model) only after ``synchronize()``. Otherwise ``step()`` is
       synchronous like torch's.
-    - ``defer(params)`` (the runtime's gradient backlog, megatrain.runtime.grad_backlog):
-      the final gradients of ``params`` exist but reach the host only after backward has
+    - ``defer(params)`` (the runtime's gradient backlog, megatrain.runtime.deadlines):
+      the final gradients of ``params`` exist but are handed in only after backward has
       returned. The update is recorded as final now, with the hyperparameters of now, and
       queued when the runtime hands the gradients in (``Deferred.submit``). ``step()``
       returns without waiting for it (the next fetch of those parameters waits, through
@@ -214,8 +214,8 @@ class AdamW(Optimizer):
 
     def defer(self, params: Sequence[Tensor]) -> Deferred | None:
         """Promise the final gradients of ``params`` for later (see the class docstring):
-        the runtime's backlog holds them on the device beyond the end of backward, and
-        ``step()`` should not wait for them. Returns the ``Deferred`` to hand them in with,
+        the runtime's backlog hands them in after the end of backward, and ``step()``
+        should not wait for them. Returns the ``Deferred`` to hand them in with,
         or None where their update would not be immediate: inside ``accumulate()``, with
         ``max_grad_norm`` or ``skip_nonfinite`` (``step()`` needs every gradient), in a
         subclass that hands gradients in its own way, or where ``p.grad`` holds earlier

@@ -12,10 +12,11 @@ How many: a slab is added only when the backward would otherwise wait for the op
 
 - with ``max_slabs`` given, up to that many; beyond it the backward waits (backpressure);
 - by default (``max_slabs=None``) two (one region being updated, the next one copied in),
-  and past two only while ``overlap()`` says some regions' updates bypass the host
-  optimizer (resident AdamW state, device-site updates) and host memory has room: the
-  new slab must leave at least ``HOST_FREE_FRACTION`` of the host's RAM (and
-  ``HOST_FREE_MIN``) available.
+  and past two only while ``overlap()`` says the GPU has work a lagging host can overlap
+  (some regions' updates bypass the host optimizer: resident AdamW state, device-site
+  updates; or the host backlog defers updates into the next forward, deadlines.py) and
+  host memory has room: the new slab must leave at least ``HOST_FREE_FRACTION`` of the
+  host's RAM (and ``HOST_FREE_MIN``) available.
 
 Why: where the host's updates bound the step, a backward that waits for a slab holds the
 GPU idle while the host works, and the host then idles through the regions that need it
@@ -25,16 +26,16 @@ resident) two slabs gave 0.426 s/step and sixteen 0.365 (bench/results/NOTES.md,
 the next forward. Where every region goes through the host, more slabs buy nothing: the
 next forward's first region is the last one updated, so it starts when the host is done
 either way (3B/16k, nothing resident: 26 slabs, 10.4 GB of host memory, 1.39 s/step
-against 1.31 with two). A slab is only added while the host lags, and a lagging step holds
-at most about one per host-updated region (a region fills one slab at a time, and the
-next forward waits for the last update before it reaches the region updated last, so the
-previous step's slabs are back before the next backward).
+against 1.31 with two), unless the host backlog serves that region first. A slab is only
+added while the host lags, and a lagging step holds at most about one per host-updated
+region (a region fills one slab at a time, and every fetch of the next forward waits for
+its region's update, so the previous step's slabs are back before the next backward).
 
 Slabs are page-locked in place (host_store.page_locked_tensor), not taken from torch's
 pinned allocator: that one would round a 262 MB slab (a 1.3B model's embedding gradient
 in fp32) up to 512 MB and keep every outgrown slab cached for good.
 
-With the gradient backlog (grad_backlog.py) the runtime asks for a slab without blocking
+With the device backlog (grad_backlog.py) the runtime asks for a slab without blocking
 (`try_open`); the backlog's pump also yields a free slab to a backward blocked on one.
 """
 

@@ -13,8 +13,10 @@ One `Streamer` serves one compiled graph pair (forward, backward). It owns:
 - pinned staging for gradients coming back, in GRAD_TRANSFER_DTYPE (fp32: upcast on the
   device, so the host optimizer runs torch's fused AdamW directly), one slab per region in
   flight (grad_slabs.py) so the host holds a few regions of gradients, not all of them;
-- optionally (``backlog=True``) a device backlog for gradients that find no free slab,
-  sent to the host earliest deadline first (grad_backlog.py).
+- one hand-off thread that gives sealed regions to their optimizer, in arrival order, or
+  with the backlog (``backlog="host"`` or ``"device"``) earliest deadline first, deferring
+  the rest past the end of backward (deadlines.py); with ``"device"`` gradients that find
+  no free slab wait on the device (grad_backlog.py).
 
 Device buffers are allocated on the compute stream at prefetch time, filled on the copy
 stream after an event, and handed to the graph at `wait`, after which the graph owns them:
@@ -36,6 +38,7 @@ import torch
 from . import graph_order, handoff_graphs
 from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
+from .deadlines import DeadlineQueue, Deadlines
 from .grad_backlog import GradBacklog, Held
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
@@ -117,6 +120,7 @@ class StepStats:
     early_hits: int = 0  # first regions found already fetched by the graph before
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     slab_wait_s: float = 0.0  # host time blocked for a free gradient slab (optimizer behind)
+    deferred_regions: int = 0  # sealed regions whose update backward's end deferred (backlog)
     cast_wait_s: float = 0.0  # host time blocked on the host-cast thread before a wait
     fetch_paths: collections.Counter = field(default_factory=collections.Counter)  # how weights came in
     waits: list = field(default_factory=list)  # CUDA (region, before, after) event pairs
@@ -184,7 +188,7 @@ class Streamer:
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
-        self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs, overlap=self._updates_bypass_host)
+        self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs, overlap=self._host_lag_overlaps)
         self._ring: GradRing | None = None  # enable_grad_ring
         # Prefetch across graphs (graph_order.py): each phase's first fetch, and fetches
         # started early by the graph that ran before, with the parameters' versions then.
@@ -200,7 +204,14 @@ class Streamer:
         # grow_reserve's measurement: whole steps of this graph alone (begin/end_step)
         self._measurable, self._begun_since_end, self._measured_steps = False, 0, 0
         self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
-        self.backlog: GradBacklog | None = None  # enable_backlog
+        # The backlog (enable_backlog): the forward's fetch order, by which sealed regions
+        # are handed over (None: in arrival order, and backward's end waits for them all),
+        # and the device side of backlog="device".
+        self.deadlines: Deadlines | None = None
+        self.backlog: GradBacklog | None = None
+        self._defer_declined = False  # the last backward's optimizers would not defer
+        # Sealed regions waiting for the hand-off thread, which serves one per task.
+        self._sealed = DeadlineQueue(None)
         self._grad_bytes: dict[int, int] = {}  # region -> its gradients' slab reservation
         # Regions sealed but not yet handed to their optimizer, and the AdamW.defer promises
         # made for them when backward ended; the hand-off list. Guarded by _lock (the
@@ -263,12 +274,15 @@ class Streamer:
             if self._measured_steps == MEASURED_STEP:
                 self.grow_reserve(measured)
 
-    def _updates_bypass_host(self) -> bool:
-        """Whether some regions' updates skip the host optimizer (resident state, device
-        sites): then the backward has GPU work a lagging host can overlap, and the
-        gradient slabs may grow (grad_slabs.py)."""
-        return bool((self.resident is not None and self.resident.regions)
-                    or (self.device_updates is not None and self.device_updates.regions))
+    def _host_lag_overlaps(self) -> bool:
+        """Whether a host optimizer lagging behind backward has GPU work to overlap, so
+        that the gradient slabs may grow (grad_slabs.py): some regions' updates skip the
+        host (resident state, device sites), or the host backlog defers updates into the
+        next forward (unless the optimizers declined last time)."""
+        bypass = ((self.resident is not None and self.resident.regions)
+                  or (self.device_updates is not None and self.device_updates.regions))
+        host_backlog = self.deadlines is not None and self.backlog is None
+        return bool(bypass or (host_backlog and not self._defer_declined))
 
     def grow_reserve(self, measured_peak: int) -> None:
         """Lend resident regions what a measured step left free beyond the plan's proof.
@@ -317,8 +331,8 @@ class Streamer:
         if self._awaiting_first:
             self._first[self._phase] = (region, list(host_params))
             self._awaiting_first = False
-        if self.backlog is not None and self._phase == "forward":
-            self.backlog.queue.learn(region)  # its deadline: when the forward fetches it
+        if self.deadlines is not None and self._phase == "forward":
+            self.deadlines.learn(region)  # its deadline: when the forward fetches it
         t0 = time.perf_counter()
         self.wait_updates(host_params)
         self.stats.optimizer_wait_s += time.perf_counter() - t0
@@ -647,9 +661,7 @@ class Streamer:
             # Contributions of tied weights still waiting for another region sit in this
             # slab too: the hand-off moves them out before it frees the slab.
             waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
-            future = self._handoff.submit(self._hand_over, ticket, params, parts, slab, waiting)
-            with self._lock:
-                self._handoffs.append(future)
+            self._queue_handoff(region, (ticket, params, parts, slab, waiting, None))
 
     def _to_slab(self, grad: torch.Tensor, region: int, dtype: torch.dtype) -> list:
         """Copy one gradient into the region's host slab (waiting for a slab if none is
@@ -779,9 +791,7 @@ class Streamer:
                 self._copy_out_held(held)
                 slab = self._slabs.seal(_PUMP)
                 ticket, params, parts = held.payload
-                future = self._handoff.submit(self._hand_over, ticket, params, parts, slab, [], held)
-                with self._lock:
-                    self._handoffs.append(future)
+                self._queue_handoff(held.region, (ticket, params, parts, slab, [], held))
 
     def _copy_out_held(self, held: Held) -> None:
         """Carve the region's gradients in the slab opened for the pump and copy them
@@ -812,6 +822,23 @@ class Streamer:
             else:
                 keep.append(entry)
         self._in_flight = keep
+
+    def _queue_handoff(self, region: int, args: tuple) -> None:
+        """A sealed region waits for the hand-off thread, which takes the next one by
+        deadline (in arrival order without the backlog) each time it is free."""
+        parts = args[2]
+
+        def copied() -> bool:
+            return all(e[1] is None or e[1].query() for c in parts for e in c)
+
+        self._sealed.push(region, args, ready=copied)
+        future = self._handoff.submit(self._hand_over_next)
+        with self._lock:
+            self._handoffs.append(future)
+
+    def _hand_over_next(self) -> None:
+        _, args = self._sealed.pop()  # one task per push: never empty
+        self._hand_over(*args)
 
     def _hand_over(self, ticket: int, params: list[torch.Tensor], parts: list[list], slab,
                    waiting: list[list], held: Held | None = None) -> None:
@@ -899,16 +926,20 @@ class Streamer:
         optimizer (AdamW.defer) so that backward can return now. False where an optimizer
         declines (its update is not immediate): then the caller waits for all hand-offs.
         Errors of hand-offs finished since the last backward surface here."""
-        self._pump()
+        if self.backlog is not None:
+            self._pump()
         with self._lock:
+            self._defer_declined = False
             for ticket, params in self._unsubmitted.items():
                 promised = self._promised.setdefault(ticket, {})
                 for key, (opt, ps, _) in _by_owner(params, params).items():
                     if key not in promised:
                         d = opt.defer(ps) if hasattr(opt, "defer") else None
                         if d is None:
+                            self._defer_declined = True
                             return False
                         promised[key] = d
+            self.stats.deferred_regions = len(self._unsubmitted)
             done = [f for f in self._handoffs if f.done()]
             self._handoffs = [f for f in self._handoffs if not f.done()]
         for f in done:
@@ -959,21 +990,27 @@ class Streamer:
         for other in others:
             other.resident.demote_all("another compiled graph holds resident regions now")
 
-    def enable_backlog(self, handoffs: list[tuple[int, int]]) -> None:
-        """Keep gradients that find no free slab on the device, within the reserve of
-        place_updates, and send them to the host earliest deadline first (grad_backlog.py).
-        ``handoffs``: the backward's (region, param id) hand-offs; regions holding part of a
-        tied weight's gradient stay on the slab path."""
-        assert self.reserve is not None, "place_updates first"
-        counts = collections.Counter(p for _, p in handoffs)
-        tied = {r for r, p in handoffs if counts[p] > 1}
-        self.backlog = GradBacklog(self.device, self.reserve, tied)
+    def enable_backlog(self, where: str, handoffs: list[tuple[int, int]]) -> None:
+        """Hand sealed regions to the host optimizer earliest deadline first and defer
+        those left at the end of backward into the next forward (deadlines.py); with
+        ``where="device"`` also keep gradients that find no free slab on the device,
+        within the reserve of place_updates (grad_backlog.py). ``handoffs``: the
+        backward's (region, param id) hand-offs; regions holding part of a tied weight's
+        gradient stay on the slab path."""
+        assert where in ("host", "device"), where
+        self.deadlines = Deadlines()
+        self._sealed = DeadlineQueue(self.deadlines)
+        if where == "device":
+            assert self.reserve is not None, "place_updates first"
+            counts = collections.Counter(p for _, p in handoffs)
+            tied = {r for r, p in handoffs if counts[p] > 1}
+            self.backlog = GradBacklog(self.device, self.reserve, tied, self.deadlines)
 
     def enable_grad_ring(self, chunk_bytes: int, chunks: int = GRAD_RING_CHUNKS) -> None:
         """Send untied gradients to their optimizer through a ring of fixed-size host chunks
         instead of region slabs (grad_ring.py): host memory for gradients becomes
         ``chunks x chunk_bytes`` whatever the largest region."""
-        assert self.backlog is None, "the backlog hands over whole regions: slabs only"
+        assert self.deadlines is None, "the backlog hands over whole regions: slabs only"
         if self._ring is None:
             self._ring = GradRing(chunk_bytes, chunks, pin=self.cuda)
 
@@ -1043,7 +1080,7 @@ class Streamer:
             chunk = self._ring.seal()  # the last, partly filled chunk
             if chunk is not None:
                 self._hand_chunk(chunk)
-        if self.backlog is None or not self._defer_rest():
+        if self.deadlines is None or not self._defer_rest():
             self.wait_handoffs()
         for p in self._pending:
             p.done.synchronize()

@@ -1,11 +1,14 @@
-"""The gradient backlog (option backlog=True, megatrain.runtime.grad_backlog): gradients
-that find no free host slab wait on the device and cross earliest deadline first.
+"""The gradient backlog (option backlog="host" or "device"; megatrain.runtime.deadlines and
+grad_backlog): sealed regions reach the host optimizer earliest deadline first, the rest
+are deferred past the end of backward; with "device" gradients that find no free host slab
+wait on the device.
 
-The ordering and the bookkeeping are tested on CPU tensors directly; through the backend
-(device="cpu", where every "device" buffer is a real separate copy) the optimizer is slowed
-down so that slabs run out and regions really go through the backlog. Results must equal
-backlog=False bitwise (same gradients, same updates, only the order of independent
-per-region updates changes) and eager torch.optim.AdamW to test_backend_cpu.py's bounds.
+The device side's bookkeeping is tested on CPU tensors directly (the order alone:
+tests/runtime/test_deadlines.py); through the backend (device="cpu", where every "device"
+buffer is a real separate copy) the optimizer is slowed down so that it lags and regions
+really wait. Results must equal backlog=None bitwise (same gradients, same updates, only
+the order of independent per-region updates changes) and eager torch.optim.AdamW to
+test_backend_cpu.py's bounds.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 import megatrain
 from megatrain.models import Llama
 from megatrain.optim import engine
-from megatrain.runtime.grad_backlog import EdfQueue, GradBacklog
+from megatrain.runtime.deadlines import Deadlines
+from megatrain.runtime.grad_backlog import GradBacklog
 from megatrain.runtime.grad_slabs import GradSlabs
 from megatrain.runtime.pool import DevicePool, Reserve
 
@@ -36,39 +40,11 @@ def no_cached_rates(tmp_path, monkeypatch):
 # ---- ordering and bookkeeping, no backend ----------------------------------------------
 
 
-def test_edf_queue_serves_the_region_the_forward_fetches_first():
-    q = EdfQueue()
-    for region in [0, 1, 2, 3, 4, 5]:  # the forward's fetch order
-        q.learn(region)
-    q.learn(2)  # fetched again later in the forward (a tied weight): its first fetch counts
-    for region in [5, 4, 3]:  # backward: last layer first
-        q.push(region, 10, f"r{region}")
-    assert q.bytes == 30 and q.peek() == 3
-    assert q.pop(lambda item: 10) == (3, "r3")
-    q.push(1, 10, "r1")
-    q.push(9, 10, "r9")  # never fetched in a forward: last
-    q.push(0, 10, "r0")
-    assert [q.pop(lambda item: 10)[0] for _ in range(len(q))] == [0, 1, 4, 5, 9]
-    assert q.bytes == 0
-    q.push(4, 0, {"first": 1})  # the same region twice (a graph run for several modules)
-    q.push(4, 0, {"second": 2})
-    assert [q.pop()[1] for _ in range(2)] == [{"first": 1}, {"second": 2}]
-
-
-def test_edf_follows_the_forward_order_not_the_region_ids():
-    q = EdfQueue()
-    for region in [3, 0, 2]:
-        q.learn(region)
-    for region in [0, 2, 3]:
-        q.push(region, 0, None)
-    assert [q.pop()[0] for _ in range(3)] == [3, 0, 2]
-
-
 def test_backlog_holds_snapshots_within_the_reserve():
     pool = DevicePool(1000)
     pool.acquire(600, "the plan's weights")
     reserve = Reserve(pool, 300)
-    backlog = GradBacklog(torch.device("cpu"), reserve, excluded={7})
+    backlog = GradBacklog(torch.device("cpu"), reserve, excluded={7}, deadlines=Deadlines())
     assert not backlog.open(7, 64), "a region with a tied-weight contribution stays on the slab path"
     assert not backlog.open(1, 400), "beyond the reserve: wait for a slab instead"
     assert backlog.open(1, 200) and pool.live == 600 + 256 and reserve.live == 256
@@ -84,7 +60,7 @@ def test_backlog_holds_snapshots_within_the_reserve():
     assert len(backlog) == 1 and backlog.backlogged == 1
     held = backlog.take()
     assert held.region == 1 and held.payload == "payload" and [e for _, e in held.views] == [e1, e2]
-    assert backlog.take() is None and backlog.taken == [(1, ())]
+    assert backlog.take() is None and list(backlog.queue.served) == [(1, ())]
     backlog.release(held)
     backlog.release(held)  # idempotent: the hand-off's error path releases again
     assert pool.live == 600 and reserve.live == 0
@@ -133,86 +109,124 @@ def train(model, batches, backlog, *, max_grad_norm=None, accumulate=False, **op
     return dict(out, streamer=out["plan"].streamer)
 
 
+def _deadline_order_kept(served) -> bool:
+    """Every region served had an earlier deadline than all those it left waiting: this
+    model's forward fetches its regions in id order (prologue, layers, epilogue); on the
+    CPU every copy is done at once, so readiness never reorders."""
+    return all(r < w for r, waiting in served for w in waiting)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("tied", [False, True])
-def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, tied):
+def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, where, tied):
     torch.manual_seed(0)
     model = llama(tied)
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
-    on = train(model, batches, True)
-    off = train(model, batches, False)
+    on = train(model, batches, where)
+    off = train(model, batches, None)
     assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]
     ref = train_eager(model, batches, lr_decay=0.5)
     for a, b in zip(on["losses"], ref["losses"]):
         assert abs(a - b) / abs(b) < 1e-5, (on["losses"], ref["losses"])
     assert rel(on["params"], ref["params"]) < 1e-3
 
-    backlog = on["streamer"].backlog
-    assert off["streamer"].backlog is None
-    assert backlog.backlogged >= 3, "the slowed optimizer must push regions into the backlog"
-    # Every region taken had an earlier deadline than all those left waiting: this model's
-    # forward fetches its regions in id order (prologue, layers, epilogue).
     fetched = [int(e[len("prefetch("):-1]) for e in on["plan"].forward_events if e.startswith("prefetch(")]
     assert fetched == sorted(fetched)
-    assert all(r < w for r, waiting in backlog.taken for w in waiting), backlog.taken
-    assert any(waiting for _, waiting in backlog.taken), "EDF never had a choice to make"
+    streamer = on["streamer"]
+    assert off["streamer"].deadlines is None and off["streamer"].backlog is None
+    # The hand-off served regions by deadline, and had choices to make.
+    served = list(streamer._sealed.served)
+    assert _deadline_order_kept(served), served
+    assert any(waiting for _, waiting in served), "the hand-off never had a choice to make"
+    # step() returned while updates were still deferred: the next forward overlaps them.
+    assert max(on["deferred"]) > 0
+    if where == "host":
+        assert streamer.backlog is None
+        assert streamer._slabs.allocated > 2, "slabs grow past two while the host lags"
+        assert off["streamer"]._slabs.allocated == 2, "without a backlog nothing overlaps the lag"
+        return
+    backlog = streamer.backlog
+    assert backlog.backlogged >= 3, "the slowed optimizer must push regions into the backlog"
+    assert _deadline_order_kept(backlog.queue.served), list(backlog.queue.served)
+    assert any(waiting for _, waiting in backlog.queue.served), "EDF never had a choice to make"
     names = {r.id: r.name for r in on["plan"].regions}
-    taken = [names[r] for r, _ in backlog.taken]
+    taken = [names[r] for r, _ in backlog.queue.served]
     if tied:  # the tied embedding's two pieces are summed on the host: the slab path
         assert not {"prologue", "epilogue"} & set(taken)
     else:
         assert "prologue" in taken, "region 0 went through the backlog"
-    # step() returned while updates were still deferred: the next forward overlaps them.
-    assert max(on["deferred"]) > 0
-    assert backlog.reserve.live == 0 and on["streamer"].pool.live <= on["plan"].budget
+    assert backlog.reserve.live == 0 and streamer.pool.live <= on["plan"].budget
+    assert streamer._slabs.allocated == 2, "the device holds the backlog, not host slabs"
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("case", ["clip", "accumulate"])
-def test_updates_deferred_to_step_take_todays_path_and_stay_exact(slow_optimizer, case):
+def test_updates_deferred_to_step_take_todays_path_and_stay_exact(slow_optimizer, case, where):
     """With clipping the updates wait for step(); with accumulation p.grad holds earlier
-    micro-batches: the optimizer declines to defer, so backward waits for its backlog."""
+    micro-batches: the optimizer declines to defer, so backward waits for its backlog (and
+    host slabs do not grow for it)."""
     torch.manual_seed(1)
     model = llama(layers=2)
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
     kw = dict(max_grad_norm=0.5) if case == "clip" else dict(accumulate=True)
-    on = train(model, batches, True, **kw)
-    off = train(model, batches, False, **kw)
+    on = train(model, batches, where, **kw)
+    off = train(model, batches, None, **kw)
     assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]
-    assert on["streamer"].backlog.backlogged > 0
     assert on["deferred"] == [0, 0, 0]
+    streamer = on["streamer"]
+    if where == "device":
+        assert streamer.backlog.backlogged > 0
+    elif case == "clip":
+        # The first backward may grow slabs before its end learns that the optimizer
+        # declines; later ones do not add more.
+        assert streamer._defer_declined
 
 
 def test_no_backlog_beyond_the_memory_the_plan_leaves(slow_optimizer):
     torch.manual_seed(2)
     model = llama(layers=2)
     batches = random_batches(VOCAB, 2, batch=2, seq=16)
-    roomy = train(model, batches, True)
-    tight = train(model, batches, True, gpu_memory=roomy["plan"].predicted_peak_bytes)
+    roomy = train(model, batches, "device")
+    tight = train(model, batches, "device", gpu_memory=roomy["plan"].predicted_peak_bytes)
     assert roomy["streamer"].backlog.backlogged > 0
     assert tight["plan"].update_reserve == 0 and tight["streamer"].backlog.backlogged == 0
     assert torch.equal(tight["params"], roomy["params"])
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.parametrize("value", [True, False, "yes", 1])
 def test_a_bad_backlog_value_is_refused(value):
     from megatrain.compiler.options import parse_options
 
-    with pytest.raises(ValueError, match=r"backlog=.*: give True .* or False"):
+    with pytest.raises(ValueError, match=r"backlog=.*: give 'host' .* 'device' .* or None"):
         parse_options({"device": "cpu", "backlog": value})
 
 
+def test_the_backlog_and_the_gradient_ring_exclude_each_other():
+    from megatrain.compiler.options import parse_options
+
+    with pytest.raises(ValueError, match=r"grad_chunk='64MiB' with backlog='host'.*drop one"):
+        parse_options({"device": "cpu", "backlog": "host", "grad_chunk": "64MiB"})
+
+
+@pytest.mark.parametrize("backlog", ["host", "device"])
 @pytest.mark.parametrize("where", ["inside the layer loop", "after the embedding"])
-def test_graph_breaks_with_the_backlog(slow_optimizer, where):
+def test_graph_breaks_with_the_backlog(slow_optimizer, where, backlog):
     """A break inside the layer loop runs one graph for several layers (the same region id
-    sealed once per layer: the backlog's entries must not collide); a break after the
+    sealed once per layer: the queues' entries must not collide); a break after the
     embedding makes two graphs hand in gradients of the tied weight (p.grad path: the
-    optimizer cannot defer, backward waits). Either way: bitwise like backlog=False."""
+    optimizer cannot defer, backward waits). Either way: bitwise like no backlog."""
 
     torch.manual_seed(4)
     model = breaking_llama(where, small_llama_config(layers=4))
     batches = random_batches(VOCAB, 3, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
-        on = train(model, batches, True)
-        off = train(model, batches, False)
+        on = train(model, batches, backlog)
+        off = train(model, batches, None)
     assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]
-    used = sum(g.streamer.backlog.backlogged for g in megatrain.explain(on["step"]).graphs)
-    assert used > 0, "the slowed optimizer must push regions into the backlog"
+    graphs = megatrain.explain(on["step"]).graphs
+    if backlog == "device":
+        used = sum(g.streamer.backlog.backlogged for g in graphs)
+        assert used > 0, "the slowed optimizer must push regions into the backlog"
+    else:
+        assert any(waiting for g in graphs for _, waiting in g.streamer._sealed.served), \
+            "the slowed optimizer must leave regions waiting for the hand-off"

@@ -173,7 +173,7 @@ def test_grad_chunk_option_is_checked():
             step = torch.compile(copy.deepcopy(model), backend="megatrain",
                                  options={"device": "cpu", "grad_chunk": bad})
             step(*random_batches(VOCAB, 1, batch=1, seq=8)[0])
-    with pytest.raises(MegatrainValueError, match="backlog"):
+    with pytest.raises(MegatrainValueError, match="with backlog=.device.*drop one"):
         step = torch.compile(copy.deepcopy(model), backend="megatrain",
-                             options={"device": "cpu", "grad_chunk": "1MiB", "backlog": True})
+                             options={"device": "cpu", "grad_chunk": "1MiB", "backlog": "device"})
         step(*random_batches(VOCAB, 1, batch=1, seq=8)[0])

@@ -34,8 +34,8 @@ def train(model, batches, **options):
 @pytest.fixture
 def lagging_host(monkeypatch):
     """Every region update takes 40 ms longer, the host has room to spare, and the
-    streamer says some updates bypass the host (as resident regions would on a GPU,
-    which on the CPU either take every region or leave the host path alone)."""
+    streamer says the GPU has work to overlap the lag with (as resident regions would on a
+    GPU, which on the CPU either take every region or leave the host path alone)."""
     apply = megatrain.AdamW._apply_region
 
     def slow_apply(self, parts, hypers):
@@ -44,7 +44,7 @@ def lagging_host(monkeypatch):
 
     monkeypatch.setattr(megatrain.AdamW, "_apply_region", slow_apply)
     monkeypatch.setattr(host_store, "host_memory", lambda: (48 << 30, 64 << 30))
-    monkeypatch.setattr(Streamer, "_updates_bypass_host", lambda self: True)
+    monkeypatch.setattr(Streamer, "_host_lag_overlaps", lambda self: True)
 
 
 def test_slabs_grow_while_the_host_lags_and_a_bound_holds(lagging_host):
@@ -59,20 +59,23 @@ def test_slabs_grow_while_the_host_lags_and_a_bound_holds(lagging_host):
     assert torch.equal(grown["params"], bounded["params"]) and grown["losses"] == bounded["losses"]
 
 
-def test_backlog_keeps_two_slabs_and_the_option_is_checked():
+def test_the_device_backlog_keeps_two_slabs_and_the_option_is_checked():
     model = Llama(small_llama_config(1))
     batches = random_batches(SMALL_VOCAB, 1, batch=1, seq=8)
-    assert train(model, batches, backlog=True)["slabs"].max_slabs == 2
+    assert train(model, batches, backlog="device")["slabs"].max_slabs == 2
+    assert train(model, batches, backlog="host")["slabs"].max_slabs is None
     for bad in (0, "many", True):
         with pytest.raises(MegatrainValueError, match=f"grad_slabs={bad!r}"):
             train(model, batches, grad_slabs=bad)
 
 
-@pytest.mark.parametrize("updates, bypass", [("host", False), ("resident", True), ("device", True)])
-def test_slabs_grow_only_beside_updates_that_bypass_the_host(updates, bypass):
-    """Where every update goes through the host the next forward waits for the host's
-    last update whatever the slabs, so they stay at two."""
+@pytest.mark.parametrize("updates, backlog, overlap", [
+    ("host", None, False), ("resident", None, True), ("device", None, True), ("host", "host", True)])
+def test_slabs_grow_only_where_the_gpu_has_work_beside_the_lag(updates, backlog, overlap):
+    """Where every update goes through the host in arrival order the next forward waits
+    for the host's last update whatever the slabs, so they stay at two; updates that
+    bypass the host, or the host backlog's deferred ones, overlap GPU work."""
     model = Llama(small_llama_config(2))
     batches = random_batches(SMALL_VOCAB, 2, batch=1, seq=8)
-    slabs = train(model, batches, updates=updates)["slabs"]
-    assert slabs.overlap() is bypass
+    slabs = train(model, batches, updates=updates, backlog=backlog)["slabs"]
+    assert slabs.overlap() is overlap

@@ -474,11 +474,24 @@ def _megatrain_stats(step_fn) -> dict:
             "slab_wait_s": sum(s.slab_wait_s for s in stats),
             # backlog: regions whose update the last backward's end deferred into the forward
             "deferred_regions": sum(s.deferred_regions for s in stats),
+            # the last step's host updates by the phase they began in (does the host's rate
+            # fall beside the forward's weight copies?)
+            "host_updates_by_phase": _merge_phases(s.host_updates_by_phase() for s in stats),
             "cast_wait_s": sum(s.cast_wait_s for s in stats),
             "fetch_paths": dict(sum((s.fetch_paths for s in stats), collections.Counter())),
             "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
             "stall_by_region": [{r: round(t, 4) for r, t in s.stall_by_region().items() if t > 1e-4}
                                 for s in stats]}
+
+
+def _merge_phases(per_streamer) -> dict:
+    out: dict = {}
+    for phases in per_streamer:
+        for phase, row in phases.items():
+            into = out.setdefault(phase, {"updates": 0, "params": 0, "busy_s": 0.0})
+            for k, v in row.items():
+                into[k] += v
+    return out
 
 
 def run_system(args) -> dict:
@@ -917,6 +930,11 @@ def main(argv=None) -> int:
                   f"resident regions {r.get('resident_regions')} "
                   f"({(r.get('resident_bytes') or 0) / 2**30:.2f} GiB, sent home {r.get('resident_demoted')}), "
                   f"device-update sites {r.get('device_update_sites')}")
+            phases = r.get("host_updates_by_phase") or {}
+            if phases:
+                print(f"{'':18s} host updates by phase (G params/s): " + ", ".join(
+                    f"{k} {v['updates']} in {v['busy_s']:.3f} s ({v['params'] / max(v['busy_s'], 1e-9) / 1e9:.2f})"
+                    for k, v in phases.items()))
             print(f"{'':18s} weight copies: {r['h2d_busy_s']:.3f} s busy at {r['h2d_copy_gbs']:.1f} GB/s; "
                   f"stall by region: {r.get('stall_by_region')}")
         if r.get("host_bytes_per_param_phases"):

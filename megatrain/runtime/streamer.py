@@ -127,6 +127,12 @@ class StepStats:
     transfers: list = field(default_factory=list)  # CUDA (region, started, done) on the copy stream
     computes: list = field(default_factory=list)  # CUDA (region, weights ready, evicted) on compute
     grad_copies: list = field(default_factory=list)  # CUDA (region, started, done) on the D2H stream
+    # Host updates run from this step's begin_step to the next one's (those the last
+    # backward deferred included), (region, start, end, parameters) on the host's
+    # perf_counter clock, and when the step's phases began on that clock ("forward":
+    # begin_step, "backward": the forward's end, "drained": backward's end).
+    host_updates: list = field(default_factory=list)
+    phase_starts: dict = field(default_factory=dict)
 
     def event_seconds(self, pairs: str) -> float:
         """Seconds covered by one list of (region, start, end) CUDA event pairs, e.g.
@@ -154,6 +160,24 @@ class StepStats:
         """Seconds the compute stream sat waiting for weights this step (CUDA events
         recorded around each wait; blocks until the last of them has completed)."""
         return sum(self.stall_by_region().values())
+
+    def host_updates_by_phase(self) -> dict[str, dict[str, float]]:
+        """Host updates by the phase (forward, backward, after backward) the host thread
+        was in when each began: how many, their parameters and busy seconds. Why: whether
+        the host's update rate falls while the forward's weight copies read host memory
+        beside it, which decides what overlapping updates with the forward is worth (the
+        device backlog's updates took twice as long at 1.3B; bench/results/NOTES.md,
+        session 11). Host clock: a phase starts when the host thread got there, ahead of
+        the GPU by what it has queued."""
+        marks = sorted((t, name) for name, t in self.phase_starts.items())
+        out: dict[str, dict[str, float]] = {}
+        for _, start, end, params in self.host_updates:
+            phase = next((name for t, name in reversed(marks) if t <= start), "between steps")
+            row = out.setdefault(phase, {"updates": 0, "params": 0, "busy_s": 0.0})
+            row["updates"] += 1
+            row["params"] += params
+            row["busy_s"] += end - start
+        return out
 
 
 class Streamer:
@@ -254,6 +278,7 @@ class Streamer:
         if self.device_updates is not None:
             self.device_updates.abandon()
         self.stats = StepStats()
+        self.stats.phase_starts["forward"] = time.perf_counter()
         self.pool.reset_peak()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -352,6 +377,7 @@ class Streamer:
         nxt = graph_order.finished((self.index, phase))
         if phase == "forward":
             self._phase, self._awaiting_first = "backward", True
+            self.stats.phase_starts["backward"] = time.perf_counter()
         if nxt is not None:
             get(nxt[0])._fetch_early(nxt[1], beside=self)
 
@@ -837,16 +863,16 @@ class Streamer:
             self._handoffs.append(future)
 
     def _hand_over_next(self) -> None:
-        _, args = self._sealed.pop()  # one task per push: never empty
-        self._hand_over(*args)
+        region, args = self._sealed.pop()  # one task per push: never empty
+        self._hand_over(*args, region=region)
 
     def _hand_over(self, ticket: int, params: list[torch.Tensor], parts: list[list], slab,
-                   waiting: list[list], held: Held | None = None) -> None:
+                   waiting: list[list], held: Held | None = None, region: int = -1) -> None:
         """On the hand-off thread: hand one region's gradients to their optimizer, then
         free its slab (after moving out contributions that wait for another region) and
         let the backlog's next region have it. On error, fail the region's promises."""
         try:
-            self._submit_gradients(ticket, params, parts, held)
+            self._submit_gradients(ticket, params, parts, held, region)
             for entry in waiting:
                 if entry[1] is not None:
                     entry[1].synchronize()
@@ -867,7 +893,7 @@ class Streamer:
                 self._pump()
 
     def _submit_gradients(self, ticket: int, params: list[torch.Tensor], parts: list[list],
-                          held: Held | None = None) -> None:
+                          held: Held | None = None, region: int = -1) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
         optimizer has consumed them. A single contribution goes as it crossed the link (a
         narrower dtype is upcast by the optimizer in cache-sized chunks, by a p.grad fallback
@@ -886,7 +912,7 @@ class Streamer:
             grads.append(total)
         if held is not None:
             self.backlog.release(held)  # on the host now: the device bytes go back
-        futures = []
+        futures, started = [], time.perf_counter()
         with self._lock:
             self._unsubmitted.pop(ticket, None)
             promised = self._promised.pop(ticket, {})
@@ -903,6 +929,9 @@ class Streamer:
                 futures.append(d.submit(gs) if d is not None else opt.submit(ps, gs))
         for f in futures:
             f.result()
+        if futures:  # the worker's work on this region (one hand-off at a time)
+            self.stats.host_updates.append((region, started, time.perf_counter(),
+                                            sum(p.numel() for p in params)))
 
     def wait_handoffs(self) -> None:
         """Until every region of this backward has been handed over and consumed (the
@@ -1080,6 +1109,7 @@ class Streamer:
             chunk = self._ring.seal()  # the last, partly filled chunk
             if chunk is not None:
                 self._hand_chunk(chunk)
+        self.stats.phase_starts["drained"] = time.perf_counter()
         if self.deadlines is None or not self._defer_rest():
             self.wait_handoffs()
         for p in self._pending:

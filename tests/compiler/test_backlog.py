@@ -134,12 +134,16 @@ def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, w
     assert fetched == sorted(fetched)
     streamer = on["streamer"]
     assert off["streamer"].deadlines is None and off["streamer"].backlog is None
+    # The last step's host updates by phase: without a backlog none begins in the forward.
+    on_phases, off_phases = (x["streamer"].last_stats.host_updates_by_phase() for x in (on, off))
     # The hand-off served regions by deadline, and had choices to make.
     served = list(streamer._sealed.served)
     assert _deadline_order_kept(served), served
     assert any(waiting for _, waiting in served), "the hand-off never had a choice to make"
     # step() returned while updates were still deferred: the next forward overlaps them.
     assert max(on["deferred"]) > 0
+    assert on["deferred"][-2] > 0, "the last step's forward had updates to overlap"
+    assert on_phases["forward"]["updates"] >= on["deferred"][-2] and "forward" not in off_phases
     if where == "host":
         assert streamer.backlog is None
         assert streamer._slabs.allocated > 2, "slabs grow past two while the host lags"

@@ -234,3 +234,34 @@ def test_graph_breaks_with_the_backlog(slow_optimizer, where, backlog):
     else:
         assert any(waiting for g in graphs for _, waiting in g.streamer._sealed.served), \
             "the slowed optimizer must leave regions waiting for the hand-off"
+
+
+@pytest.mark.parametrize("case", ["resident", "kept weights"])
+def test_the_host_backlog_beside_other_runtime_options(slow_optimizer, case):
+    """The host backlog orders and defers what still goes through the host optimizer; the
+    regions whose AdamW state is resident on the device (here: the budget holds two) and
+    the weights kept for the backward are left as they were: bitwise like no backlog with
+    the same options."""
+    from megatrain.optim import resident as resident_mod
+
+    torch.manual_seed(5)
+    model = llama(layers=2)
+    batches = random_batches(VOCAB, 3, batch=2, seq=16)
+    options = dict(keep_weights=True)
+    if case == "resident":
+        roomy = train(model, batches[:1], None, prefetch=0)["plan"]
+        params = dict(model.named_parameters())
+        need = sorted(resident_mod.resident_bytes([params[f].shape for f in r.param_fqns])
+                      for r in roomy.regions if r.param_fqns)
+        scratch = 4 * resident_mod.upcast_scratch_numel(p.numel() for p in model.parameters())
+        options = dict(updates="resident", prefetch=0,
+                       gpu_memory=roomy.predicted_peak_bytes + scratch + need[0] + need[1] + need[2] // 2)
+    on = train(model, batches, "host", **options)
+    streamer = on["streamer"]
+    assert streamer._sealed.served, "no region went through the host's hand-off"
+    if case == "resident":  # (before the next compiled graph sends them home)
+        assert 0 < len(streamer.resident.regions) < len(on["plan"].regions)
+    else:
+        assert streamer.last_stats.kept_hits > 0 and max(on["deferred"]) > 0
+    off = train(model, batches, None, **options)
+    assert torch.equal(on["params"], off["params"]) and on["losses"] == off["losses"]

@@ -864,15 +864,15 @@ class Streamer:
 
     def _hand_over_next(self) -> None:
         region, args = self._sealed.pop()  # one task per push: never empty
-        self._hand_over(*args, region=region)
+        self._hand_over(region, *args)
 
-    def _hand_over(self, ticket: int, params: list[torch.Tensor], parts: list[list], slab,
-                   waiting: list[list], held: Held | None = None, region: int = -1) -> None:
+    def _hand_over(self, region: int, ticket: int, params: list[torch.Tensor], parts: list[list],
+                   slab, waiting: list[list], held: Held | None) -> None:
         """On the hand-off thread: hand one region's gradients to their optimizer, then
         free its slab (after moving out contributions that wait for another region) and
         let the backlog's next region have it. On error, fail the region's promises."""
         try:
-            self._submit_gradients(ticket, params, parts, held, region)
+            self._submit_gradients(region, ticket, params, parts, held)
             for entry in waiting:
                 if entry[1] is not None:
                     entry[1].synchronize()
@@ -892,8 +892,8 @@ class Streamer:
             if self.backlog is not None:
                 self._pump()
 
-    def _submit_gradients(self, ticket: int, params: list[torch.Tensor], parts: list[list],
-                          held: Held | None = None, region: int = -1) -> None:
+    def _submit_gradients(self, region: int, ticket: int, params: list[torch.Tensor],
+                          parts: list[list], held: Held | None) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
         optimizer has consumed them. A single contribution goes as it crossed the link (a
         narrower dtype is upcast by the optimizer in cache-sized chunks, by a p.grad fallback
@@ -1024,8 +1024,8 @@ class Streamer:
         those left at the end of backward into the next forward (deadlines.py); with
         ``where="device"`` also keep gradients that find no free slab on the device,
         within the reserve of place_updates (grad_backlog.py). ``handoffs``: the
-        backward's (region, param id) hand-offs; regions holding part of a tied weight's
-        gradient stay on the slab path."""
+        backward's (region, param id) hand-offs; there, regions holding part of a tied
+        weight's gradient stay on the slab path."""
         assert where in ("host", "device"), where
         self.deadlines = Deadlines()
         self._sealed = DeadlineQueue(self.deadlines)

@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from _results import append_rows, run_metadata  # noqa: E402  (bench/ is sys.path[0])
 from megatrain.optim import AdamW  # noqa: E402
+from megatrain.runtime.host_store import available_host_bytes  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -57,19 +58,8 @@ def rss_bytes() -> int:
     raise RuntimeError("cannot read the process RSS (no psutil, no /proc/self/status)")
 
 
-def available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def default_params() -> int:
-    big = (os.cpu_count() or 1) >= 16 and available_bytes() >= 48 * 2**30
+    big = (os.cpu_count() or 1) >= 16 and (available_host_bytes() or 0) >= 48 * 2**30
     return 1_000_000_000 if big else 64_000_000
 
 

@@ -372,10 +372,9 @@ def _status(key: str) -> int:
 
 
 def _mem_available() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    from megatrain.runtime.host_store import available_host_bytes
+
+    return available_host_bytes() or 0
 
 
 def _median_s(fn, repeats: int = 5) -> float:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import json
 import os
 import re
@@ -371,6 +372,15 @@ def _status(key: str) -> int:
     return 0
 
 
+def _smaps_rollup(key: str) -> int:
+    """A field of /proc/self/smaps_rollup in bytes (0 where the kernel has none)."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            return next((int(line.split()[1]) * 1024 for line in fh if line.startswith(key + ":")), 0)
+    except OSError:
+        return 0
+
+
 def _mem_available() -> int:
     from megatrain.runtime.host_store import available_host_bytes
 
@@ -406,18 +416,73 @@ def run_probe(args) -> dict:
     dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     h2d = _median_s(lambda: dst.copy_(src, non_blocking=True))
     n = 1 << 27
-    p, g, m, v = (torch.randn(n) for _ in range(4))
+    p, g = torch.randn(n), torch.randn(n)
     opt = torch.optim.AdamW([torch.nn.Parameter(p)], fused=True)
     opt.param_groups[0]["params"][0].grad = g
     opt.step()
+
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
+    alone = 28 * n / statistics.median(times) / 1e9
+    try:  # a diagnostic: a failure here must not cost the run its probe
+        beside = _adamw_beside_dma(opt.step, src, dst)
+        beside["adamw_beside_dma_gbs"] = 28 * n / beside.pop("adamw_beside_dma_s") / 1e9
+    except Exception as e:  # noqa: BLE001
+        beside = {"adamw_beside_dma_error": repr(e)}
     return {"system": "probe", "matmul_tflops": 2 * rows * cfg.hidden * cfg.ffn / mm / 1e12,
-            "h2d_gbs": (1 << 30) / h2d / 1e9, "adamw_gbs": 28 * n / statistics.median(times) / 1e9,
-            "threads": torch.get_num_threads()}
+            "h2d_gbs": (1 << 30) / h2d / 1e9, "adamw_gbs": alone, **beside,
+            "threads": torch.get_num_threads(), "host": host_facts()}
+
+
+def _adamw_beside_dma(adamw_step, pinned, device_buf) -> dict:
+    """The host AdamW rate while both DMA directions copy pinned host memory flat out, as
+    in a streamed step (lent hosts with the same rate alone differed 2x inside training),
+    and the copies' rates meanwhile: AdamW steps run until both directions are done."""
+    import torch
+
+    back = torch.empty(pinned.shape, dtype=pinned.dtype, pin_memory=True)
+    out = torch.empty_like(device_buf)
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    copies = 40  # 40 GiB a direction, ~0.9 s with both directions at once
+    for stream, (a, b), (start, end) in zip(streams, ((device_buf, pinned), (back, out)),
+                                            (marks[:2], marks[2:])):
+        with torch.cuda.stream(stream):
+            start.record()
+            for _ in range(copies):
+                a.copy_(b, non_blocking=True)
+            end.record()
+    times = []
+    while not (marks[1].query() and marks[3].query()):
+        t0 = time.perf_counter()
+        adamw_step()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return {"adamw_beside_dma_s": statistics.median(times), "adamw_steps_beside_dma": len(times),
+            "dma_beside_adamw_gbs": [copies * pinned.numel() / (s.elapsed_time(e) / 1e3) / 1e9
+                                     for s, e in (marks[:2], marks[2:])]}
+
+
+def host_facts() -> dict:
+    """What may tell lent hosts apart: CPU model, NUMA layout, transparent huge pages."""
+    def read(path: str) -> str | None:
+        try:
+            return open(path).read().strip()
+        except OSError:
+            return None
+
+    nodes = sorted(glob.glob("/sys/devices/system/node/node[0-9]*"))
+    model = next((line.split(":", 1)[1].strip() for line in (read("/proc/cpuinfo") or "").splitlines()
+                  if line.startswith("model name")), None)
+    return {"cpu": model, "cpus_allowed": len(os.sched_getaffinity(0)),
+            "numa_cpus": [read(f"{n}/cpulist") for n in nodes],
+            "l3": read("/sys/devices/system/cpu/cpu0/cache/index3/size"),
+            "thp": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+            "thp_defrag": read("/sys/kernel/mm/transparent_hugepage/defrag"),
+            "kernel": os.uname().release}
 
 
 def _streamers(plan) -> list:
@@ -681,6 +746,8 @@ def run_system(args) -> dict:
         # where it goes: peak, current and anonymous RSS at each marked point (_rss_phases)
         "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
         "host_rss_file_shmem_gib": (_status("RssFile") / 2**30, _status("RssShmem") / 2**30),
+        # anonymous memory on transparent huge pages (host state streamed at DRAM speed)
+        "host_anon_huge_gib": _smaps_rollup("AnonHugePages") / 2**30,
         # torch's pinned allocator (cudaHostAlloc: shared anonymous pages, RssShmem)
         "pinned_allocator": {k: v for k, v in torch.cuda.host_memory_stats().items()
                              if k.startswith(("allocations.", "allocated_bytes.", "active_requests."))
@@ -941,6 +1008,8 @@ def main(argv=None) -> int:
                 f"{k} {v['peak']:.2f}/{v['now']:.2f}/{v.get('anon', float('nan')):.2f}"
                 f" ({v.get('shmem_gib', float('nan')):.2f}/{v.get('pinned_gib', float('nan')):.2f})"
                 for k, v in r["host_bytes_per_param_phases"].items()))
+        if r.get("host_anon_huge_gib") is not None:
+            print(f"{'':18s} anonymous memory on huge pages at the end: {r['host_anon_huge_gib']:.1f} GiB")
         if r.get("host_largest_mappings"):
             print(f"{'':18s} RssFile/RssShmem GiB {r['host_rss_file_shmem_gib']}, largest "
                   f"non-anonymous mappings: {r['host_largest_mappings']}; torch pinned allocator "

@@ -143,7 +143,14 @@ def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, w
     # step() returned while updates were still deferred: the next forward overlaps them.
     assert max(on["deferred"]) > 0
     assert on["deferred"][-2] > 0, "the last step's forward had updates to overlap"
-    assert on_phases["forward"]["updates"] >= on["deferred"][-2] and "forward" not in off_phases
+    # The updates that begin in the forward are the deferred ones (step() waited for the
+    # rest), give or take one: the hand-off serves them one at a time, and the one it held
+    # when step() returned is not counted as deferred, while the first may begin between
+    # step() and the next forward and count as the previous step's (updates take 50 ms
+    # here, that gap ~1 ms).
+    deferred = on["deferred"][-2]
+    assert abs(on_phases["forward"]["updates"] - deferred) <= 1, (on_phases, deferred)
+    assert "forward" not in off_phases
     if where == "host":
         assert streamer.backlog is None
         assert streamer._slabs.allocated > 2, "slabs grow past two while the host lags"

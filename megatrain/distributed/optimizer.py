@@ -72,7 +72,7 @@ from torch.optim import Optimizer
 
 from megatrain.optim import checks, functional
 from megatrain.optim.adamw import AdamW
-from megatrain.runtime.host_store import is_homed
+from megatrain.runtime.host_store import host_zeros, is_homed
 
 from .comm import Collectives, as_timedelta, backend_takes_cpu_tensors
 from .launch import default_timeout
@@ -426,8 +426,8 @@ class ShardedAdamW(AdamW):
         if not st:
             size = self._spec(p).size
             st["step"] = torch.zeros((), dtype=torch.float32)
-            st["exp_avg"] = torch.zeros(size, dtype=torch.float32)
-            st["exp_avg_sq"] = torch.zeros(size, dtype=torch.float32)
+            st["exp_avg"] = host_zeros(size, torch.float32)
+            st["exp_avg_sq"] = host_zeros(size, torch.float32)
         return st
 
     def _all_gather(self, params: list[Tensor], lay: RegionLayout) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatrain.runtime.host_store import host_zeros
+
 # Tags stay small so that world * tag is exact in fp32 (< 2**24) up to 2048 ranks.
 _TAG_MOD = 8191
 
@@ -153,4 +155,4 @@ def own_view(param: Tensor, spec: ShardSpec) -> Tensor:
 
 
 def new_row(layout: RegionLayout) -> Tensor:
-    return torch.empty(layout.row, dtype=torch.float32)
+    return host_zeros(layout.row, torch.float32)

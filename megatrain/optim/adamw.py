@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from megatrain.optim import checks, device_update, functional, registry
 from megatrain.optim.resident import ResidentState
 from megatrain.optim.engine import HostWorker
-from megatrain.runtime.host_store import is_homed
+from megatrain.runtime.host_store import advise_huge_pages, host_zeros_like, is_homed
 
 # The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
 # math, so a state_dict moves between torch.optim.AdamW and megatrain.AdamW both ways.
@@ -840,8 +840,8 @@ class AdamW(Optimizer):
             st = self.state[p]
             if not st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg"] = host_zeros_like(p)
+                st["exp_avg_sq"] = host_zeros_like(p)
             exp_avgs.append(st["exp_avg"])
             exp_avg_sqs.append(st["exp_avg_sq"])
             steps.append(st["step"])
@@ -904,7 +904,7 @@ class AdamW(Optimizer):
                     if p.grad is None:
                         buf = self._grad_buffers.get(p)
                         if buf is None:
-                            buf = self._grad_buffers[p] = torch.empty_like(p)
+                            buf = self._grad_buffers[p] = host_zeros_like(p)
                         p.grad = buf
                 dst = p.grad.view(-1)[start:start + g.numel()]
                 dst.copy_(g) if self._piece_fresh[p] else dst.add_(g)
@@ -921,7 +921,7 @@ class AdamW(Optimizer):
             if p.grad is None:
                 buf = self._grad_buffers.get(p)
                 if buf is None:
-                    buf = self._grad_buffers[p] = torch.empty_like(p)
+                    buf = self._grad_buffers[p] = host_zeros_like(p)
                 p.grad = buf.copy_(g)
             else:
                 p.grad.add_(g)
@@ -961,6 +961,7 @@ class AdamW(Optimizer):
                     "the state_dict belongs to a different model"
                 )
             st[k] = functional.like_param(st[k], p)
+            advise_huge_pages(st[k])  # streamed every step, like the moments host_zeros makes
 
 
 class Deferred:

@@ -54,7 +54,7 @@ from torch import Tensor
 
 from megatrain.compiler.costs import ADAMW_BYTES_PER_PARAM, host_bandwidth
 from megatrain.optim import checks, functional
-from megatrain.runtime.host_store import is_page_locked, page_locked
+from megatrain.runtime.host_store import host_zeros, is_page_locked, page_locked
 from megatrain.runtime.layout import FlatLayout
 
 if TYPE_CHECKING:
@@ -269,7 +269,7 @@ def ensure_state(state: dict, params: Sequence[Tensor], pin: bool) -> None:
     if pin:
         buf, lock = page_locked(layout.numel, torch.float32, users=2 * len(todo))
     else:
-        buf = torch.zeros(layout.numel, dtype=torch.float32)
+        buf = host_zeros(layout.numel, torch.float32)
     views = layout.views(buf)
     k = len(todo)
     with torch.no_grad():

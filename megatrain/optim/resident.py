@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from . import functional
+from ..runtime.host_store import host_zeros_like
 
 # Per tensor: the caching allocator rounds every block up to 512 bytes; the step count.
 _BLOCK = 512
@@ -239,8 +240,8 @@ class ResidentState:
             st = state[p]
             if not st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg"] = host_zeros_like(p)
+                st["exp_avg_sq"] = host_zeros_like(p)
             p.detach().copy_(e.master)
             st["exp_avg"].copy_(e.exp_avg)
             st["exp_avg_sq"].copy_(e.exp_avg_sq)

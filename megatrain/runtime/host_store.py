@@ -8,7 +8,11 @@ is slow to lock (~2-3 s per 4 GiB) and the only memory PCIe reads at full speed.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
+import mmap
+import os
 import weakref
 
 import torch
@@ -43,7 +47,7 @@ def home_parameters(params: list[torch.nn.Parameter], pin: bool) -> torch.Tensor
     if pin:
         buf, lock = page_locked(layout.numel, dtype, users=len(todo))
     else:
-        buf = torch.zeros(layout.numel, dtype=dtype)
+        buf = host_zeros(layout.numel, dtype)
     with torch.no_grad():
         for p, view in zip(todo, layout.views(buf)):
             view.copy_(p.data)
@@ -85,6 +89,77 @@ def available_host_bytes() -> int | None:
     return None if mem is None else mem[0]
 
 
+# Host buffers from this size up get their own anonymous mapping on transparent huge pages.
+HUGE_PAGE = 1 << 21
+_HUGE_PAGES_ENV = "MEGATRAIN_HUGE_PAGES"
+
+
+def huge_pages_enabled() -> bool:
+    """Whether `host_zeros` advises huge pages: yes unless MEGATRAIN_HUGE_PAGES=0 (an A/B,
+    or a host whose page compaction stalls allocations) or the platform has no THP."""
+    return os.environ.get(_HUGE_PAGES_ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed 1-D host tensor for state streamed at DRAM speed every step (masters,
+    moments, gradient slabs). From HUGE_PAGE bytes up it is its own private anonymous
+    mapping advised onto 2 MiB transparent huge pages. Why: the host AdamW and the DMA
+    stream these arrays every step, and torch's allocator leaves them on 4 KiB pages where
+    THP is "madvise" (a common default): torch's fused CPU AdamW ran 12-18% faster on huge
+    pages (bench/results/NOTES.md, session 16). Its own mapping, not an over-allocated and
+    aligned torch buffer, so the storage is exactly the tensor (torch.save writes no slack).
+    The kernel's zero pages: nothing is written until first use."""
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_PAGE or not huge_pages_enabled():
+        return torch.zeros(numel, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass  # a kernel without THP: ordinary pages, still zeroed
+    return torch.frombuffer(mapping, dtype=dtype, count=numel)  # keeps the mapping alive
+
+
+_MADV_COLLAPSE = 25  # Linux 6.1+: back advised memory with huge pages now, in place
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Move the whole 2 MiB pages inside a contiguous host tensor that torch allocated
+    (state loaded from a checkpoint) onto huge pages, in place: madvise MADV_HUGEPAGE,
+    then MADV_COLLAPSE where the kernel has it (else khugepaged gets to them in its own
+    time). Not a copy into `host_zeros`: a loaded state_dict stays referenced by its
+    caller during the load, so a copy would hold the moments twice. Contents and
+    addresses do not change; failures leave ordinary pages."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < HUGE_PAGE or not huge_pages_enabled():
+        return
+    lo = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    hi = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return
+    libc = _libc()
+    if libc is None:
+        return
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_HUGEPAGE) == 0:
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_COLLAPSE)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def host_zeros_like(t: torch.Tensor) -> torch.Tensor:
+    """`torch.zeros_like(t)` (same strides) for a host tensor, through `host_zeros` where
+    `t` is contiguous."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return torch.zeros_like(t, memory_format=torch.preserve_format)
+    return host_zeros(t.numel(), t.dtype).view(t.shape)
+
+
 _PAGE = 4096
 # (bytes, CUDA error code) of each page_locked() whose registration failed and fell back to
 # torch's pinned allocator (which rounds up to a power of two): bench/train.py reports it.
@@ -100,7 +175,7 @@ def page_locked(numel: int, dtype: torch.dtype, users: int) -> tuple[torch.Tenso
     registering fails."""
     nbytes = numel * dtype.itemsize
     span = -(-max(nbytes, 1) // _PAGE) * _PAGE
-    raw = torch.zeros(span + _PAGE, dtype=torch.uint8)
+    raw = host_zeros(span + _PAGE, torch.uint8)
     start = (-raw.data_ptr()) % _PAGE
     pages = raw[start:start + span]
     rc = int(torch.cuda.cudart().cudaHostRegister(pages.data_ptr(), span, 0))

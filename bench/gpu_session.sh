@@ -22,6 +22,7 @@
 #   WHEELS         a folder of carried wheels installed first (--target /tmp/site, on
 #                  PYTHONPATH): DeepSpeed and what it needs for zero3-offload (NOTES.md,
 #                  session 10); e.g. WHEELS=$PWD/.whl before cd-ing into the unpacked tree
+#                  (bench/zero3_wheels.sh builds .whl on the dev machine)
 # The device tool brings back at most 8 files from $OUT: on exit (also when a `timeout`
 # around this script ends it), everything but the rows and logs goes into one extras.tgz.
 # Run it from a tree with no uncommitted work of others in it: copy `git archive HEAD` to

@@ -112,7 +112,10 @@ def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_pages_enabled():
         return torch.zeros(numel, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # no room: torch's allocator fails the same way as without huge pages
+        return torch.zeros(numel, dtype=dtype)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:

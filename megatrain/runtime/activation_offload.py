@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_store import page_locked_tensor
+from .host_store import host_buffer
 
 
 @dataclass
@@ -64,7 +64,7 @@ class ActivationStore:
             for i, buf in enumerate(free):
                 if buf.numel() >= nbytes:
                     return free.pop(i)
-        return page_locked_tensor(nbytes, torch.uint8) if self.cuda else torch.empty(nbytes, dtype=torch.uint8)
+        return host_buffer(nbytes, torch.uint8, self.cuda)
 
     def _give_back(self, p: _Parked) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..optim.functional import PIECE_ALIGN
-from .host_store import host_zeros, page_locked_tensor
+from .host_store import host_buffer
 
 # Bytes every piece starts on within a chunk: PIECE_ALIGN fp32 elements, so a cut at the
 # chunk's end falls on a multiple of PIECE_ALIGN elements of any gradient dtype up to fp32.
@@ -35,7 +35,7 @@ class Chunk:
     ``[param, start, host view, done event or None]``."""
 
     def __init__(self, nbytes: int, pin: bool):
-        self.buf = page_locked_tensor(nbytes, torch.uint8) if pin else host_zeros(nbytes, torch.uint8)
+        self.buf = host_buffer(nbytes, torch.uint8, pin)
         self.used = 0
         self.pieces: list[list] = []
 

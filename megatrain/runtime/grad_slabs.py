@@ -48,7 +48,7 @@ import torch
 
 from ..errors import MegatrainValueError
 from . import host_store
-from .host_store import host_zeros, page_locked_tensor
+from .host_store import host_buffer
 
 _ALIGN = 64  # bytes: every gradient starts on a cache line
 MIN_SLABS = 2  # always allowed: one region being updated, the next one copied in
@@ -60,7 +60,7 @@ class Slab:
     """One region's gradients, packed; `carve` hands out consecutive aligned views."""
 
     def __init__(self, nbytes: int, pin: bool):
-        self.buf = page_locked_tensor(nbytes, torch.uint8) if pin else host_zeros(nbytes, torch.uint8)
+        self.buf = host_buffer(nbytes, torch.uint8, pin)
         self.used = 0
 
     def carve(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:

@@ -197,6 +197,12 @@ def page_locked_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return buf
 
 
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A zeroed host buffer that the DMA streams: page-locked (`page_locked_tensor`) where
+    it copies to or from a CUDA device, else `host_zeros` (the CPU path and the tests)."""
+    return page_locked_tensor(numel, dtype) if pin else host_zeros(numel, dtype)
+
+
 def pinned_allocator_bytes() -> int:
     """Bytes torch's pinned allocator holds: blocks in use, cached, or freed with copies
     whose completion it has not checked yet (0 without CUDA)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..compiler.costs import Rates
-from .host_store import page_locked_tensor
+from .host_store import host_buffer
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,8 @@ def _copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float,
     cuda = device.type == "cuda"
     # Page-locked in place, unlocked and freed on return: torch's pinned allocator would
     # keep these 2 x 256 MB cached (and resident) for the life of the process.
-    host_src = page_locked_tensor(n, torch.bfloat16) if cuda else torch.empty(n, dtype=torch.bfloat16)
-    host_dst = page_locked_tensor(n, torch.bfloat16) if cuda else torch.empty(n, dtype=torch.bfloat16)
+    host_src = host_buffer(n, torch.bfloat16, cuda)
+    host_dst = host_buffer(n, torch.bfloat16, cuda)
     host_src.fill_(1)
     dev_src = torch.ones(n, dtype=torch.bfloat16, device=device)
     dev_dst = torch.empty(n, dtype=torch.bfloat16, device=device)

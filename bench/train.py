@@ -345,10 +345,16 @@ def _pinned_holders(least: int = 256 << 20) -> dict:
             continue
         if big:
             holders.append({"bytes": obj.untyped_storage().nbytes(), "shape": list(obj.shape),
-                            "referrers": [type(r).__qualname__ + (f" {sorted(r)[:8]}" if isinstance(r, dict) else "")
+                            "referrers": [type(r).__qualname__ + (f" {_dict_keys(r)}" if isinstance(r, dict) else "")
                                           for r in gc.get_referrers(obj)][:8]})
     release_cached_pinned_blocks()
     return {"before": before, "after_gc_and_empty_cache": _pinned_bytes(), "tensors": holders[:6]}
+
+
+def _dict_keys(d: dict) -> list[str]:
+    """A referring dict's first keys, for the log: strings as they are, anything else (a
+    tensor-keyed optimizer state, which cannot be sorted or printed briefly) by its type."""
+    return sorted(k if isinstance(k, str) else type(k).__name__ for k in list(d)[:64])[:8]
 
 
 def _load_cuda_libraries(device) -> None:

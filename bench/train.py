@@ -704,11 +704,12 @@ def run_system(args) -> dict:
             # so for megatrain backward ends when the last gradient is handed over, and
             # step() is the optimizer's tail after backward.
             phases.append({"forward_call_s": t1 - t0, "backward_call_s": t2 - t1,
-                           "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0)})
+                           "optimizer_call_s": t3 - t2, "final_sync_s": times[-1] - (t3 - t0),
+                           "loss": float(loss.detach())})
             if host_busy is not None:
                 phases[-1]["host_busy_s"] = opt.host_busy_s - host_busy
                 host_busy = opt.host_busy_s
-            print(f"  {args.system} step {start + i}: {times[-1]:.3f} s loss {float(loss):.3f} "
+            print(f"  {args.system} step {start + i}: {times[-1]:.3f} s "
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
         return times, phases, float(loss)
 
@@ -782,7 +783,8 @@ def run_system(args) -> dict:
         "host_largest_mappings": _largest_mappings(),
         "pinned_growth": pinned_watch.events,
         "pinned_holders": _pinned_holders() if cuda else None,
-        "final_loss": loss, "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
+        # every system's per-step losses, to compare their training side by side (same data)
+        "final_loss": loss, "losses": [p["loss"] for p in phases], "optim_threads": threads[0][0] if threads else None, "prefetch": args.prefetch,
         "updates": args.updates if args.system == "megatrain" else None,
         "kernels": args.kernels if args.system == "megatrain" else None,
         "backlog": args.backlog if args.system == "megatrain" else None,

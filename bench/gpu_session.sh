@@ -12,7 +12,8 @@
 #                  A/B where session 17 met the 3B/16k target, bench/results/NOTES.md;
 #                  3 warm-up steps: the reserve grows after step 2 and step 3 adopts the
 #                  regions it admits, a one-time upload; then the host optimizer's thread
-#                  sweep, 8 (the default, half the cores) against 12 and 16: session 17's
+#                  sweep, 8 (the default, half the cores) against 12 and 16, then 8 with
+#                  bf16 gradient copies (4 B/param less through host memory): session 17's
 #                  probe lost a third of AdamW's rate beside the DMA; three 3B children
 #                  took ~460 s in session 17, the sweeps add ~20 s each); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
@@ -47,7 +48,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled,megatrain+updates=resident+kernels=linear_cross_entropy --steps 6 --warmup 3 --optim-threads 8,12,16,8"
+default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled,megatrain+updates=resident+kernels=linear_cross_entropy --steps 6 --warmup 3 --optim-threads 8,12,16,8/bf16,8"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

@@ -711,7 +711,7 @@ def run_system(args) -> dict:
                 host_busy = opt.host_busy_s
             print(f"  {args.system} step {start + i}: {times[-1]:.3f} s "
                   f"{ {k: round(v, 3) for k, v in phases[-1].items()} }", file=sys.stderr)
-        return times, phases, float(loss)
+        return times, phases, float(loss.detach())
 
     def set_grad_transfer(dtype: str) -> None:
         from megatrain.runtime.streamer import GRAD_TRANSFER_DTYPE

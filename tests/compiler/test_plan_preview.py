@@ -11,11 +11,28 @@ from plan_preview import peak_contents, preview  # noqa: E402
 
 
 def test_preview_plans_within_the_budget_and_names_the_least_one_when_it_cannot():
-    schedule, error = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB")
-    assert error is None and 0 < schedule.plan.peak_bytes <= 64 << 20
+    schedule, error, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB")
+    assert error is None and sites is None and 0 < schedule.plan.peak_bytes <= 64 << 20
     # what fills the peak: the planner's own words, the boundary activations among them
     contents = peak_contents(schedule.plan)
     assert " of region " in contents and "boundary activations" in contents, contents
     too_small = schedule.plan.peak_bytes // 4
-    schedule, error = preview("tiny", None, tokens=1024, seq=256, gpu_memory=str(too_small))
+    schedule, error, _ = preview("tiny", None, tokens=1024, seq=256, gpu_memory=str(too_small))
     assert schedule is None and f"gpu_memory={too_small} bytes" in str(error), error
+
+
+def test_preview_shows_which_regions_the_reserve_makes_resident():
+    """--updates resident: the compile's own choice, within the reserve the plan leaves."""
+    schedule, error, roomy = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB", updates="resident")
+    assert error is None and set(roomy.sites.values()) == {"resident"}, roomy
+    state = 12 * sum(roomy.numel.values())  # master, m, v in fp32
+    assert state <= roomy.reserve
+    # a budget whose reserve holds about half the state: the regions the next forward needs
+    # first (the backward's last) are resident, the others stay on the host
+    _, error, half = preview("tiny", None, tokens=1024, seq=256, gpu_memory=str(schedule.plan.peak_bytes + state // 2),
+                             updates="resident")
+    resident = [r for r, site in half.sites.items() if site == "resident"]
+    assert error is None and 0 < len(resident) < len(half.sites), half
+    assert min(half.sites) in resident
+    assert 12 * sum(half.numel[r] for r in resident) <= half.reserve
+    assert f"resident {len(resident)} regions" in half.summary(), half.summary()

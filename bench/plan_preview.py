@@ -67,9 +67,10 @@ def _stop_after_planning(sites: bool = False):
     made once the plan exists and the backward's gradient hand-offs are known)."""
     import megatrain.compiler.backend as backend
     from megatrain.compiler import update_sites
-    from megatrain.runtime.streamer import CAST_CHUNK
+    from megatrain.runtime import streamer as streamer_mod
 
     real, real_choose = backend.schedule_step, update_sites.choose_sites
+    real_staging = streamer_mod.Streamer.cast_staging_bytes
     planned = []
 
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
@@ -83,21 +84,23 @@ def _stop_after_planning(sites: bool = False):
         planned.append(schedule)
         return schedule
 
-    def choose_spy(mode, regions, params, rates, **kwargs):
+    def staging_as_on_cuda(self, region_numel):
         # the reserve as on CUDA, where the weight path's cast staging (none on the CPU)
-        # also lives beside the plan (Streamer.cast_staging_bytes)
-        problem = planned[-1].plan.schedule.problem
-        largest = update_sites.largest_fetch_params(problem, torch.bfloat16.itemsize)
-        kwargs["reserve"] = max(0, kwargs["reserve"] - min(CAST_CHUNK, largest) * 4)
+        # also lives beside the plan
+        return streamer_mod.cuda_cast_staging_bytes(region_numel, self.compute_dtype)
+
+    def choose_spy(mode, regions, params, rates, **kwargs):
         chosen = real_choose(mode, regions, params, rates, **kwargs)
         numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
         raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"]))
 
     backend.schedule_step, update_sites.choose_sites = spy, choose_spy
+    streamer_mod.Streamer.cast_staging_bytes = staging_as_on_cuda
     try:
         yield
     finally:
         backend.schedule_step, update_sites.choose_sites = real, real_choose
+        streamer_mod.Streamer.cast_staging_bytes = real_staging
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,

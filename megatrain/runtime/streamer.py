@@ -68,6 +68,12 @@ _PUMP = ("backlog",)
 # cast kernel after each chunk's copy costs ~1% of the copy, small beside a layer.
 CAST_CHUNK = 16 << 20
 
+
+def cuda_cast_staging_bytes(region_numel: int, compute_dtype: torch.dtype) -> int:
+    """`Streamer.cast_staging_bytes` on a CUDA device: the fp32 staging chunk the weight
+    path casts from (none when it computes in fp32)."""
+    return 0 if compute_dtype == torch.float32 else min(CAST_CHUNK, region_numel) * 4
+
 # updates="resident": after this many whole steps of the graph alone were measured (the
 # first one adopts and autotunes) the reserve may grow to what the last one left free, less
 # this fraction of gpu_memory (Streamer.grow_reserve).
@@ -1046,9 +1052,7 @@ class Streamer:
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the
         largest fetch is ``region_numel`` parameters (only CUDA casts on the device)."""
-        if not self.cuda or self.compute_dtype == torch.float32:
-            return 0
-        return min(CAST_CHUNK, region_numel) * 4
+        return cuda_cast_staging_bytes(region_numel, self.compute_dtype) if self.cuda else 0
 
     # -- gradients out -----------------------------------------------------------------
     def grad_to_host(self, grad: torch.Tensor, param_id: int) -> torch.Tensor:

@@ -102,25 +102,30 @@ def huge_pages_enabled() -> bool:
 
 def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed 1-D host tensor for state streamed at DRAM speed every step (masters,
-    moments, gradient slabs). From HUGE_PAGE bytes up it is its own private anonymous
-    mapping advised onto 2 MiB transparent huge pages. Why: the host AdamW and the DMA
-    stream these arrays every step, and torch's allocator leaves them on 4 KiB pages where
-    THP is "madvise" (a common default): torch's fused CPU AdamW ran 12-18% faster on huge
-    pages (bench/results/NOTES.md, session 16). Its own mapping, not an over-allocated and
-    aligned torch buffer, so the storage is exactly the tensor (torch.save writes no slack).
-    The kernel's zero pages: nothing is written until first use."""
+    moments, gradient slabs). From HUGE_PAGE bytes up it lives in a private anonymous
+    mapping of its own, advised onto 2 MiB transparent huge pages, and starts on a 2 MiB
+    boundary. Why: the host AdamW and the DMA stream these arrays every step, and torch's
+    allocator leaves them on 4 KiB pages where THP is "madvise" (a common default): torch's
+    fused CPU AdamW ran 12-18% faster on huge pages (bench/results/NOTES.md, session 16).
+    Why aligned: only whole aligned 2 MiB windows of a mapping can be huge pages, and
+    where the kernel puts a mapping depends on its version and its length (a 3 MiB one
+    holds no aligned window about half the time), so the mapping is one huge page longer
+    than needed and the tensor starts at its first boundary; the unused head is never
+    touched and costs no memory. The tensor's storage is exactly the tensor (torch.save
+    writes no slack). The kernel's zero pages: nothing is written until first use."""
     nbytes = numel * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_pages_enabled():
         return torch.zeros(numel, dtype=dtype)
     try:
-        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError:  # no room: torch's allocator fails the same way as without huge pages
         return torch.zeros(numel, dtype=dtype)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:
         pass  # a kernel without THP: ordinary pages, still zeroed
-    return torch.frombuffer(mapping, dtype=dtype, count=numel)  # keeps the mapping alive
+    start = (-torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()) % HUGE_PAGE
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=start)  # keeps it alive
 
 
 _MADV_COLLAPSE = 25  # Linux 6.1+: back advised memory with huge pages now, in place

@@ -45,10 +45,21 @@ def test_large_buffer_is_zeroed_page_aligned_and_exactly_its_size():
     t = host_zeros(n, torch.bfloat16)
     assert t.shape == (n,) and t.dtype == torch.bfloat16 and not t.any()
     assert t.untyped_storage().nbytes() == 2 * n  # torch.save writes no slack
-    assert t.data_ptr() % 4096 == 0  # a mapping of its own (malloc's chunks carry a header)
+    assert t.data_ptr() % HUGE_PAGE == 0  # a mapping of its own, from a huge-page boundary
     values = torch.randn(n).to(torch.bfloat16)
     t.copy_(values)
     assert torch.equal(t, values)
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
+                    reason="this kernel offers no transparent huge pages to advise")
+def test_odd_sized_buffers_always_hold_a_whole_huge_page():
+    """A 3 MiB mapping placed by the kernel holds an aligned 2 MiB window only about half
+    the time (the CI failure of stop 24): each buffer starts on a boundary instead."""
+    bufs = [host_zeros((3 << 20) // 4 + 1024 * k, torch.float32) for k in range(8)]
+    for t in bufs:
+        assert t.data_ptr() % HUGE_PAGE == 0
+        assert _mapping_of(t.data_ptr()).get("THPeligible") == 1
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),

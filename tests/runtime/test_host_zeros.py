@@ -1,5 +1,6 @@
 """host_store.host_zeros: the host state streamed every step, on transparent huge pages."""
 
+import ctypes
 import mmap
 
 import pytest
@@ -33,6 +34,14 @@ def _mapping_of(addr: int) -> dict:
     if found is None:
         raise AssertionError(f"no mapping holds {addr:#x}")
     return found
+
+
+def _advise_no_huge_pages(t: torch.Tensor) -> None:
+    """Clear any earlier advice on the whole pages of ``t``: a known starting point."""
+    lo = -(-t.data_ptr() // 4096) * 4096
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // 4096 * 4096
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_NOHUGEPAGE) == 0
 
 
 def test_small_buffers_are_ordinary_zeros():
@@ -149,6 +158,7 @@ def test_loaded_moments_are_advised_in_place_and_keep_their_bits():
     saved = _train(first, [[x] for x in grads[:2]], megatrain.AdamW).state_dict()
     loaded = {**saved, "state": {i: {k: v.clone() for k, v in st.items()} for i, st in saved["state"].items()}}
     before = loaded["state"][0]["exp_avg"]
+    _advise_no_huge_pages(before)  # malloc may reuse heap an earlier test advised
     assert _mapping_of(before.data_ptr() + (2 << 20)).get("THPeligible") == 0
     resumed = [torch.nn.Parameter(first[0].detach().clone())]
     opt = megatrain.AdamW(resumed, lr=1e-2, weight_decay=0.1)

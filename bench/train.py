@@ -429,12 +429,8 @@ def run_probe(args) -> dict:
     # host_zeros (transparent huge pages: session 16), each alone and beside both DMAs
     for name, alloc in (("adamw", lambda k: torch.empty(k)), ("adamw_huge_pages", lambda k: host_zeros(k, torch.float32))):
         step = _fused_adamw_step(n, alloc)
-        times = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        rates[f"{name}_gbs"] = 28 * n / statistics.median(times[1:]) / 1e9
+        step()  # first touch
+        rates[f"{name}_gbs"] = 28 * n / _median_wall_s(step, 3) / 1e9
         try:  # a diagnostic: a failure here must not cost the run its probe
             beside = _adamw_beside_dma(step, src, dst)
             rates[f"{name}_beside_dma_gbs"] = 28 * n / beside.pop("adamw_beside_dma_s") / 1e9
@@ -442,6 +438,10 @@ def run_probe(args) -> dict:
         except Exception as e:  # noqa: BLE001
             rates[f"{name}_beside_dma_error"] = repr(e)
         del step
+    try:
+        rates.update(_adamw_at_training_threads(n, src, dst))
+    except Exception as e:  # noqa: BLE001
+        rates["adamw_training_threads_error"] = repr(e)
     return {"system": "probe", "matmul_tflops": 2 * rows * cfg.hidden * cfg.ffn / mm / 1e12,
             "h2d_gbs": (1 << 30) / h2d / 1e9, **rates,
             "threads": torch.get_num_threads(), "host": host_facts()}
@@ -464,33 +464,69 @@ def _fused_adamw_step(n: int, alloc):
     return step
 
 
-def _adamw_beside_dma(adamw_step, pinned, device_buf) -> dict:
-    """The host AdamW rate while both DMA directions copy pinned host memory flat out, as
-    in a streamed step (lent hosts with the same rate alone differed 2x inside training),
-    and the copies' rates meanwhile: AdamW steps run until both directions are done."""
+def _adamw_beside_dma(adamw_step, pinned, device_buf, directions=("h2d", "d2h")) -> dict:
+    """The host AdamW rate while DMA copies pinned host memory flat out (both directions by
+    default), as in a streamed step (lent hosts with the same rate alone differed 2x inside
+    training), and the copies' rates meanwhile: AdamW steps run until the copies are done."""
     import torch
 
     back = torch.empty(pinned.shape, dtype=pinned.dtype, pin_memory=True)
     out = torch.empty_like(device_buf)
-    streams = torch.cuda.Stream(), torch.cuda.Stream()
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    pairs = {"h2d": (device_buf, pinned), "d2h": (back, out)}
     copies = 40  # 40 GiB a direction, ~0.9 s with both directions at once
-    for stream, (a, b), (start, end) in zip(streams, ((device_buf, pinned), (back, out)),
-                                            (marks[:2], marks[2:])):
+    marks, streams = [], [torch.cuda.Stream() for _ in directions]
+    for direction, stream in zip(directions, streams):
+        a, b = pairs[direction]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record()
             for _ in range(copies):
                 a.copy_(b, non_blocking=True)
             end.record()
+        marks.append((start, end))
     times = []
-    while not (marks[1].query() and marks[3].query()):
+    while not all(end.query() for _, end in marks):
         t0 = time.perf_counter()
         adamw_step()
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     return {"adamw_beside_dma_s": statistics.median(times), "adamw_steps_beside_dma": len(times),
             "dma_beside_adamw_gbs": [copies * pinned.numel() / (s.elapsed_time(e) / 1e3) / 1e9
-                                     for s, e in (marks[:2], marks[2:])]}
+                                     for s, e in marks]}
+
+
+def _adamw_at_training_threads(n: int, pinned, device_buf) -> dict:
+    """Huge-page AdamW at the thread count training gives the optimizer (half the cores,
+    compiler/backend.py), alone and beside each DMA direction and both: whether the
+    in-training update rate is bound by its threads or by the copies' share of DRAM."""
+    import torch
+
+    from megatrain.runtime.host_store import host_zeros
+
+    before = torch.get_num_threads()
+    threads = max(1, before // 2)
+    torch.set_num_threads(threads)
+    try:
+        step = _fused_adamw_step(n, lambda k: host_zeros(k, torch.float32))
+        step()
+        out = {"adamw_training_threads": threads,
+               "adamw_training_threads_gbs": 28 * n / _median_wall_s(step, 3) / 1e9}
+        for label, directions in (("h2d", ("h2d",)), ("d2h", ("d2h",)), ("dma", ("h2d", "d2h"))):
+            beside = _adamw_beside_dma(step, pinned, device_buf, directions)
+            out[f"adamw_training_threads_beside_{label}_gbs"] = 28 * n / beside["adamw_beside_dma_s"] / 1e9
+            out[f"adamw_training_threads_{label}_gbs"] = beside["dma_beside_adamw_gbs"]
+        return out
+    finally:
+        torch.set_num_threads(before)
+
+
+def _median_wall_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def host_facts() -> dict:

@@ -428,16 +428,7 @@ def run_probe(args) -> dict:
     # torch's allocator (what adamw_gbs, the issue's bound, always measured) and megatrain's
     # host_zeros (transparent huge pages: session 16), each alone and beside both DMAs
     for name, alloc in (("adamw", lambda k: torch.empty(k)), ("adamw_huge_pages", lambda k: host_zeros(k, torch.float32))):
-        step = _fused_adamw_step(n, alloc)
-        step()  # first touch
-        rates[f"{name}_gbs"] = 28 * n / _median_wall_s(step, 3) / 1e9
-        try:  # a diagnostic: a failure here must not cost the run its probe
-            beside = _adamw_beside_dma(step, src, dst)
-            rates[f"{name}_beside_dma_gbs"] = 28 * n / beside.pop("adamw_beside_dma_s") / 1e9
-            rates.update({f"{name}_{k}": v for k, v in beside.items()})
-        except Exception as e:  # noqa: BLE001
-            rates[f"{name}_beside_dma_error"] = repr(e)
-        del step
+        rates.update(_adamw_rates(name, _fused_adamw_step(n, alloc), n, src, dst, {"dma": ("h2d", "d2h")}))
     try:
         rates.update(_adamw_at_training_threads(n, src, dst))
     except Exception as e:  # noqa: BLE001
@@ -464,10 +455,30 @@ def _fused_adamw_step(n: int, alloc):
     return step
 
 
-def _adamw_beside_dma(adamw_step, pinned, device_buf, directions=("h2d", "d2h")) -> dict:
-    """The host AdamW rate while DMA copies pinned host memory flat out (both directions by
-    default), as in a streamed step (lent hosts with the same rate alone differed 2x inside
-    training), and the copies' rates meanwhile: AdamW steps run until the copies are done."""
+def _adamw_rates(prefix: str, step, n: int, pinned, device_buf, sides: dict) -> dict:
+    """AdamW's rate over `n` elements alone (`{prefix}_gbs`), then beside each set of DMA
+    directions in `sides` (label -> directions): its rate, how many steps ran and the
+    copies' own rates meanwhile. A failure beside the DMA is a diagnostic, recorded as
+    `{prefix}_beside_{label}_error`: it must not cost the run its probe."""
+    step()  # first touch
+    rates = {f"{prefix}_gbs": 28 * n / _median_wall_s(step, 3) / 1e9}
+    for label, directions in sides.items():
+        try:
+            beside = _adamw_beside_dma(step, pinned, device_buf, directions)
+        except Exception as e:  # noqa: BLE001
+            rates[f"{prefix}_beside_{label}_error"] = repr(e)
+            continue
+        rates[f"{prefix}_beside_{label}_gbs"] = 28 * n / beside["seconds"] / 1e9
+        rates[f"{prefix}_adamw_steps_beside_{label}"] = beside["steps"]
+        rates[f"{prefix}_{label}_beside_adamw_gbs"] = beside["dma_gbs"]
+    return rates
+
+
+def _adamw_beside_dma(adamw_step, pinned, device_buf, directions) -> dict:
+    """The host AdamW step's median time while DMA copies pinned host memory flat out in
+    `directions` ("h2d", "d2h"), as in a streamed step (lent hosts with the same rate alone
+    differed 2x inside training), and the copies' rates meanwhile: AdamW steps run until
+    the copies are done."""
     import torch
 
     back = torch.empty(pinned.shape, dtype=pinned.dtype, pin_memory=True)
@@ -490,9 +501,8 @@ def _adamw_beside_dma(adamw_step, pinned, device_buf, directions=("h2d", "d2h"))
         adamw_step()
         times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return {"adamw_beside_dma_s": statistics.median(times), "adamw_steps_beside_dma": len(times),
-            "dma_beside_adamw_gbs": [copies * pinned.numel() / (s.elapsed_time(e) / 1e3) / 1e9
-                                     for s, e in marks]}
+    return {"seconds": statistics.median(times), "steps": len(times),
+            "dma_gbs": [copies * pinned.numel() / (s.elapsed_time(e) / 1e3) / 1e9 for s, e in marks]}
 
 
 def _adamw_at_training_threads(n: int, pinned, device_buf) -> dict:
@@ -508,19 +518,15 @@ def _adamw_at_training_threads(n: int, pinned, device_buf) -> dict:
     torch.set_num_threads(threads)
     try:
         step = _fused_adamw_step(n, lambda k: host_zeros(k, torch.float32))
-        step()
-        out = {"adamw_training_threads": threads,
-               "adamw_training_threads_gbs": 28 * n / _median_wall_s(step, 3) / 1e9}
-        for label, directions in (("h2d", ("h2d",)), ("d2h", ("d2h",)), ("dma", ("h2d", "d2h"))):
-            beside = _adamw_beside_dma(step, pinned, device_buf, directions)
-            out[f"adamw_training_threads_beside_{label}_gbs"] = 28 * n / beside["adamw_beside_dma_s"] / 1e9
-            out[f"adamw_training_threads_{label}_gbs"] = beside["dma_beside_adamw_gbs"]
-        return out
+        sides = {"h2d": ("h2d",), "d2h": ("d2h",), "dma": ("h2d", "d2h")}
+        return {"adamw_training_threads": threads,
+                **_adamw_rates("adamw_training_threads", step, n, pinned, device_buf, sides)}
     finally:
         torch.set_num_threads(before)
 
 
 def _median_wall_s(fn, repeats: int) -> float:
+    """Median host wall time of `fn` (host work: `_median_s` times the device's)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -40,8 +40,7 @@ def _advise_no_huge_pages(t: torch.Tensor) -> None:
     """Clear any earlier advice on the whole pages of ``t``: a known starting point."""
     lo = -(-t.data_ptr() // 4096) * 4096
     hi = (t.data_ptr() + t.numel() * t.element_size()) // 4096 * 4096
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_NOHUGEPAGE) == 0
+    assert host_store._libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_NOHUGEPAGE) == 0
 
 
 def test_small_buffers_are_ordinary_zeros():

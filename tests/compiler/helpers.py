@@ -79,12 +79,13 @@ def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=F
     """`train_eager`'s run through the backend with megatrain.AdamW: a copy of `model`,
     compiled with `options`; with `accumulate` each batch's first row is a micro-batch of its
     own (inside opt.accumulate()). Returns the model, its flat parameters, the losses, the
-    first graph's plan and, after each step(), how many updates were still deferred."""
+    first graph's plan and, after each step(), how many updates were still deferred and the
+    global gradient norm it clipped with (None without max_grad_norm)."""
     torch._dynamo.reset()
     model = copy.deepcopy(model)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
     step = torch.compile(model, backend="megatrain", options=options)
-    losses, deferred = [], []
+    losses, deferred, norms = [], [], []
     for ids, labels in batches:
         if accumulate:
             with opt.accumulate():
@@ -95,11 +96,12 @@ def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=F
         losses.append(loss.item())
         opt.step()
         deferred.append(len({id(d) for d in opt._promised_to.values()}))
+        norms.append(None if opt.last_grad_norm is None else float(opt.last_grad_norm))
         for group in opt.param_groups:
             group["lr"] *= lr_decay
         opt.zero_grad()
     opt.synchronize()
-    return dict(model=model, params=flat(model.parameters()), losses=losses, deferred=deferred,
+    return dict(model=model, params=flat(model.parameters()), losses=losses, deferred=deferred, norms=norms,
                 plan=megatrain.explain(step).graphs[0], step=step)
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .compare import assert_runs_agree, seeded_llama_and_batches, train_fp32_on_cuda
+from .compare import (assert_gpu_and_host_updates_agree, assert_runs_agree, seeded_llama_and_batches,
+                      train_fp32_on_cuda)
 
 pytestmark = pytest.mark.gpu
 
@@ -72,7 +73,10 @@ def test_bf16_gradients_are_upcast_in_stream_order_on_cuda():
 
 def test_clipped_resident_training_matches_the_host_path_on_cuda():
     """With max_grad_norm the gradients wait in device buffers; step() takes their norms on
-    the GPU beside the host's and applies the clipped update there."""
+    the GPU beside the host's and applies the clipped update there. The global norms must
+    agree step by step (clipping active: above 0.5), the parameters within compare.py's
+    GPU-against-host tolerance (AdamW on the GPU against AdamW on the host: the first CUDA
+    run failed the two-CUDA-runs tolerance by 3 elements of 131072, by up to 3.0e-5)."""
     from ..compiler.helpers import train_megatrain
 
     model, batches = seeded_llama_and_batches()
@@ -83,7 +87,9 @@ def test_clipped_resident_training_matches_the_host_path_on_cuda():
     assert resident.regions and not resident.demoted and set(resident.buffered) == set(resident.regions)
     params = [p.detach() for p in res["model"].parameters()]
     reference = [p.detach() for p in host["model"].parameters()]
-    assert_runs_agree(model, params, reference, res["losses"], host["losses"])
+    for a, b in zip(res["norms"], host["norms"]):
+        assert b > 0.5 and abs(a - b) / b < 1e-5, (res["norms"], host["norms"])
+    assert_gpu_and_host_updates_agree(model, params, reference, res["losses"], host["losses"])
 
 
 def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise_on_cuda(monkeypatch):

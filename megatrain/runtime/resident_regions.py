@@ -24,7 +24,8 @@ For a region the plan made resident (megatrain.compiler.update_sites):
         (micro-batches, clipping, the non-finite check) the optimizer asks for one: an
         fp32 buffer laid out like the region, from the reserve, kept for good.
     demotion: where the optimizer refuses (a subclass, several owners, a gradient left in
-        ``p.grad``, no room for the buffer) the region leaves the device for good
+        ``p.grad``, no room for the buffer), or a measured step went over gpu_memory
+        (``Streamer.shrink_reserve``), the region leaves the device for good
         (``AdamW.drop_resident``: newest values flushed to the host), its bytes go back to
         the reserve and the host path takes over, bitwise where it continues on the CPU.
 

@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +45,7 @@ from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
 from .host_store import is_page_locked, release_cached_pinned_blocks, release_unused_pinned_blocks
 from .layout import FlatLayout, contiguous_spans
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, format_bytes
 from ..optim import device_update
 from ..optim.registry import owner_of
 from .pool import DevicePool, Reserve
@@ -76,7 +77,8 @@ def cuda_cast_staging_bytes(region_numel: int, compute_dtype: torch.dtype) -> in
 
 # updates="resident": after this many whole steps of the graph alone were measured (the
 # first one adopts and autotunes) the reserve may grow to what the last one left free, less
-# this fraction of gpu_memory (Streamer.grow_reserve).
+# this fraction of gpu_memory (Streamer.grow_reserve); from then on a measured step over
+# gpu_memory shrinks it to peak this fraction below (Streamer.shrink_reserve).
 MEASURED_STEP = 2
 RESERVE_MARGIN = 1 / 16
 
@@ -233,6 +235,8 @@ class Streamer:
         self._resident_claimed = False  # begin_step sends other graphs' residents home, once
         # grow_reserve's measurement: whole steps of this graph alone (begin/end_step)
         self._measurable, self._begun_since_end, self._measured_steps = False, 0, 0
+        self._overran: int | None = None  # a measured peak over gpu_memory (shrink_reserve)
+        self._overrun_warned = False
         self.reserve: Reserve | None = None  # what the plan leaves free (place_updates)
         # The backlog (enable_backlog): the forward's fetch order, by which sealed regions
         # are handed over (None: in arrival order, and backward's end waits for them all),
@@ -278,6 +282,9 @@ class Streamer:
         if self.resident is not None and not self._resident_claimed:
             self._resident_claimed = True
             self._send_other_residents_home()
+        if self._overran is not None:  # between steps: no update of this graph is pending
+            self.shrink_reserve(self._overran)
+            self._overran = None
         for flat, _ in self._kept.values():  # kept by a forward whose backward has not run
             self._release(flat)
         self._kept.clear()
@@ -292,18 +299,23 @@ class Streamer:
 
     def end_step(self) -> None:
         self.stats.pool_peak = self.pool.peak
-        measured = None
-        if self.cuda:
-            top = torch.cuda.max_memory_allocated(self.device)
-            self.stats.cuda_peak = top - self.stats.cuda_base
-            measured = top
+        measured = self._allocator_peak()
+        if measured is not None:
+            self.stats.cuda_peak = measured - self.stats.cuda_base
         self.last_stats = self.stats
         whole = self._measurable and _last_begun == self.index and self._begun_since_end == 1
         self._begun_since_end = 0
         if whole and measured is not None and self.resident is not None:
             self._measured_steps += 1
-            if self._measured_steps == MEASURED_STEP:
+            if self._measured_steps >= MEASURED_STEP and measured > self.pool.budget:
+                self._overran = measured  # the next step begins by sending regions home
+            elif self._measured_steps == MEASURED_STEP:
                 self.grow_reserve(measured)
+
+    def _allocator_peak(self) -> int | None:
+        """The device allocator's high-water mark since begin_step (every byte allocated,
+        whoever holds it); None off CUDA, where only the pool's own count is known."""
+        return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
 
     def _host_lag_overlaps(self) -> bool:
         """Whether a host optimizer lagging behind backward has GPU work to overlap, so
@@ -325,9 +337,10 @@ class Streamer:
         same step, so the second whole step's allocator peak (``measured_peak``: every
         byte allocated on the device at the step's high-water mark, whoever holds it; the
         first step also adopts resident state and autotunes) is what later steps need,
-        device updates and backlog in flight included. The reserve grows (never shrinks)
-        to ``gpu_memory - (measured_peak - resident bytes held) - gpu_memory/16``; more
-        candidate regions become resident, keeping room for one device-site update."""
+        device updates and backlog in flight included. The reserve grows here, once, to
+        ``gpu_memory - (measured_peak - resident bytes held) - gpu_memory/16``; more
+        candidate regions become resident, keeping room for one device-site update. Where
+        the plan counts short instead, shrink_reserve gives room back."""
         if self.reserve is None or self.resident is None:
             return
         margin = int(self.pool.budget * RESERVE_MARGIN)
@@ -343,6 +356,37 @@ class Streamer:
         self.resident.acquire(keep_free)
         if self.device_updates is not None:
             self.device_updates.forget(list(self.resident.regions))
+
+    def shrink_reserve(self, measured_peak: int) -> None:
+        """A measured step went over gpu_memory: the plan's peak, which the reserve was
+        sized against, counted short (at 3B/16k with the fused loss the step's allocator
+        peak was 20.2-21.5 GiB with a 20 GiB budget: bench/results/NOTES.md, session 19).
+        The excess is what the step must shed to peak ``gpu_memory/16`` below the budget
+        (the margin grow_reserve keeps): resident regions go home, the last admitted
+        first, until their bytes cover it, and the reserve shrinks by the excess, so
+        neither they nor other holders take the room again. Where the resident state
+        cannot cover it, it warns once: the rest is the plan's, which a smaller
+        gpu_memory (a leaner schedule) fixes."""
+        if self.reserve is None or self.resident is None:
+            return
+        budget = self.pool.budget
+        excess = measured_peak - (budget - int(budget * RESERVE_MARGIN))
+        why = (f"a measured step peaked at {measured_peak} bytes ({format_bytes(measured_peak)}), "
+               f"over gpu_memory={budget} bytes ({format_bytes(budget)})")
+        held = self.reserve.live
+        for region in reversed(list(self.resident.regions)):
+            if held - self.reserve.live >= excess:
+                break
+            self.resident.demote(region, why)
+        self.reserve.nbytes = max(self.reserve.live, self.reserve.nbytes - excess)
+        short = excess - (held - self.reserve.live)
+        if short > 0 and not self._overrun_warned:
+            self._overrun_warned = True
+            warnings.warn(
+                f"megatrain: {why}, and no resident state is left to give back the other {short} "
+                f"bytes ({format_bytes(short)}): this graph peaks higher than its plan predicts; pass "
+                f"a gpu_memory about {short} bytes smaller to keep the device within {budget} bytes",
+                RuntimeWarning, stacklevel=2)
 
     def layout(self, shapes) -> FlatLayout:
         key = tuple(tuple(s) for s in shapes)

@@ -317,6 +317,86 @@ def test_a_measured_step_lets_more_regions_become_resident():
     assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])
 
 
+def _peaks_over_budget_at_step(monkeypatch, streamer, step_index: int, over: int):
+    """Stand in for the CUDA allocator's per-step peak on the CPU: ``over`` bytes above
+    gpu_memory at the ``step_index``-th measured step (1-based), well below it otherwise."""
+    count = {"n": 0}
+
+    def peak():
+        count["n"] += 1
+        return streamer.pool.budget + over if count["n"] == step_index else 0
+
+    monkeypatch.setattr(streamer, "_allocator_peak", peak)
+
+
+def test_a_step_over_gpu_memory_sends_the_last_admitted_regions_home(monkeypatch):
+    """Streamer.shrink_reserve (on CUDA from the second measured step on, with its allocator
+    peak): a step over gpu_memory sends resident regions home at the next step's start,
+    the last admitted first, as few as cover the excess over gpu_memory - gpu_memory/16,
+    and the reserve shrinks by the excess; later steps keep that, and training goes on
+    bitwise like the host path."""
+    from megatrain.runtime.streamer import MEASURED_STEP, RESERVE_MARGIN
+
+    torch.manual_seed(11)
+    model = llama(layers=3)
+    batches = random_batches(VOCAB, 5, batch=2, seq=8)
+    roomy, need, scratch = residency_costs(model, batches[:1])
+    streamed = copy.deepcopy(model)
+    opt, step = compiled(streamed, "resident", prefetch=0,
+                         gpu_memory=roomy.predicted_peak_bytes + scratch + sum(need.values()))
+    run(step, opt, batches[:1])  # compiles; the first measured step is the next one
+    streamer = megatrain.explain(step).graphs[0].streamer
+    admitted = list(streamer.resident.regions)
+    assert len(admitted) >= 3, admitted
+    held = dict(streamer.resident.held)
+    budget, nbytes = streamer.pool.budget, streamer.reserve.nbytes
+    margin = int(budget * RESERVE_MARGIN)
+    # an excess (over gpu_memory, so above the margin) that the last k admitted regions
+    # cover and the last k - 1 do not
+    covered, k = 0, 0
+    while covered <= margin:
+        k, covered = k + 1, covered + held[admitted[-1 - k]]
+    excess = max(margin, covered - held[admitted[-k]]) + 1
+    assert 0 < k < len(admitted), (k, admitted)
+    _peaks_over_budget_at_step(monkeypatch, streamer, MEASURED_STEP, excess - margin)
+    run(step, opt, batches[1:1 + MEASURED_STEP])  # the last of them overran
+    assert list(streamer.resident.regions) == admitted  # nothing moves mid-run
+    run(step, opt, batches[1 + MEASURED_STEP:])  # these begin by shrinking
+    assert list(streamer.resident.regions) == admitted[:-k]
+    assert set(streamer.resident.demoted) == set(admitted[-k:])
+    assert all("over gpu_memory" in why for why in streamer.resident.demoted.values())
+    assert streamer.reserve.nbytes == nbytes - excess >= streamer.reserve.live
+    live = megatrain.explain(step).graphs[0].resident_regions
+    assert {r for r, where in live.items() if where == "resident"} == set(admitted[:-k])
+    opt.synchronize()
+    assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])
+
+
+def test_an_overrun_beyond_the_resident_state_sends_all_home_and_warns(monkeypatch):
+    """Where the excess is more than the resident state holds, every region goes home, the
+    reserve keeps nothing, and a RuntimeWarning names the bytes still over and the fix;
+    training goes on bitwise like the host path."""
+    from megatrain.runtime.streamer import MEASURED_STEP
+
+    torch.manual_seed(12)
+    model = llama(layers=2)
+    batches = random_batches(VOCAB, 4, batch=2, seq=8)
+    roomy, need, scratch = residency_costs(model, batches[:1])
+    streamed = copy.deepcopy(model)
+    opt, step = compiled(streamed, "resident", prefetch=0,
+                         gpu_memory=roomy.predicted_peak_bytes + scratch + sum(need.values()))
+    run(step, opt, batches[:1])
+    streamer = megatrain.explain(step).graphs[0].streamer
+    assert streamer.resident.regions
+    _peaks_over_budget_at_step(monkeypatch, streamer, MEASURED_STEP, streamer.pool.budget)
+    run(step, opt, batches[1:1 + MEASURED_STEP])
+    with pytest.warns(RuntimeWarning, match=r"no resident state is left to give back the other \d+ bytes"):
+        run(step, opt, batches[1 + MEASURED_STEP:])
+    assert not streamer.resident.regions and streamer.reserve.nbytes == streamer.reserve.live == 0
+    opt.synchronize()
+    assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])
+
+
 @pytest.mark.parametrize("name", ["gpt2", "break after the embedding", "break inside the layer loop"])
 def test_partial_fetches_and_graph_breaks_train_bitwise_like_host(name):
     """GPT-2's backward fetches only the weights it reads (a subset of a region): they come

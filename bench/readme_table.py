@@ -117,7 +117,9 @@ def performance_table(rows: list[dict], model: str | None = None) -> str:
 def depth_table(rows: list[dict], model: str, tokens: int | None, system: str,
                 gpu_memory: str | None) -> str:
     """Issue 6's depth sweep: latest row per layer count; peak GPU memory should stay flat
-    (within 10% of the shallowest run) and the time per added layer steady."""
+    (within 10% of the shallowest run) and the time per added layer steady. The marginal
+    time per layer is shown only between rows of one machine (the same GPU name): lent
+    hosts differ in their host optimizer's rate, which sets the step at this width."""
     rows = [r for r in rows if label(r) == system and r.get("model") == model and "error" not in r
             and (tokens is None or r.get("tokens_per_step") == tokens)
             and (gpu_memory is None or r.get("gpu_memory") == gpu_memory)]
@@ -129,7 +131,8 @@ def depth_table(rows: list[dict], model: str, tokens: int | None, system: str,
            f"| peak vs {layers(base)} layers | host B/param | GPU | time |", "| --- " * 10 + "|"]
     prev = None
     for r in chosen:
-        marginal = (r["step_s"] - prev["step_s"]) / (layers(r) - layers(prev)) if prev else None
+        marginal = ((r["step_s"] - prev["step_s"]) / (layers(r) - layers(prev))
+                    if prev and prev.get("gpu") == r.get("gpu") else None)
         peak, peak0 = r.get("peak_gpu_gib"), base.get("peak_gpu_gib")
         out.append(f"| {layers(r)} | {r['step_s']:.3f} | {r['step_s'] / layers(r):.4f} "
                    f"| {_fmt(marginal, '.4f')} | {r['tokens_per_s']:.0f} | {_fmt(peak, '.2f')} "

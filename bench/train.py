@@ -70,6 +70,7 @@ HOST_STATE_BYTES_PER_PARAM = {"fsdp2-offload": 18, "zero3-offload": 18, "megatra
 # gradients). A size picks another: --grad-ring=128MiB, or the variant megatrain+grad-ring=128MiB.
 GRAD_RING_CHUNK = "64MiB"
 GPU_STATE_BYTES_PER_PARAM = 16  # resident: fp32 weight, grad, AdamW m and v on the GPU
+MEMORY_PEAK_ENTRIES = 1_000_000  # --memory-peak: the allocator's ring buffer, events (a few KB each)
 _phase = "setup"  # what the child was doing, for the out-of-memory line
 
 
@@ -846,7 +847,56 @@ def run_system(args) -> dict:
         # the rate weight copies reached while they ran (contention with the optimizer's
         # host memory traffic and the gradient copies shows here)
         row["h2d_copy_gbs"] = row["h2d_bytes"] / row["h2d_busy_s"] / 1e9 if row["h2d_busy_s"] else None
+    # last, after every figure above is read: one more step, untimed, under the allocator's
+    # history (its stats would otherwise be this step's, not the timed ones')
+    if args.memory_peak and cuda:
+        try:
+            row["memory_at_peak"] = _memory_at_peak(args, device, lambda: run_steps(1, first=False))
+        except Exception as e:  # noqa: BLE001 -- a diagnostic must not cost the run its row
+            row["memory_at_peak_error"] = repr(e)[:2000]
+    elif args.memory_peak:
+        print(f"--memory-peak: records the CUDA caching allocator; nothing to record on {device}", file=sys.stderr)
     return row
+
+
+def _memory_at_peak(args, device, step) -> dict:
+    """Run `step` once under the CUDA allocator's history (bench/memory_peak.py): the bytes
+    live at its allocated-bytes peak, replayed from the trace, beside max_memory_allocated()
+    for the same step, and the live blocks grouped by where they were allocated; blocks
+    allocated before the step are named by the tensor that owns them. The same at the
+    active-bytes peak (frees still waiting on record_stream events count)."""
+    import torch
+
+    from memory_peak import BEFORE, group_by_origin, live_at_peak, recording, tensor_labels
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)  # the streamer's begin_step resets it too
+    with recording(MEMORY_PEAK_ENTRIES):
+        step()
+        torch.cuda.synchronize(device)
+        max_allocated = torch.cuda.max_memory_allocated(device)
+        max_active = torch.cuda.memory_stats(device).get("active_bytes.all.peak")
+        snapshot = torch.cuda.memory._snapshot()  # inside: turning recording off clears the trace
+    if args.memory_peak_snapshot:  # for pytorch.org/memory_viz
+        import pickle
+
+        Path(args.memory_peak_snapshot).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.memory_peak_snapshot).write_bytes(pickle.dumps(snapshot))
+    traces = snapshot["device_traces"]
+    entries = len(traces[index]) if index < len(traces) else 0
+    peak, blocks = live_at_peak(snapshot, index)
+    active_peak, active_blocks = live_at_peak(snapshot, index, freed_at="free_completed")
+    before = [b for b in blocks + active_blocks if b.get("origin") == BEFORE]
+    labels = tensor_labels({b["addr"]: b["size"] for b in before}) if before else {}
+    for b in before:
+        if b["addr"] in labels:
+            b["origin"] = f"{BEFORE}: {labels[b['addr']]}"
+    return {"peak_bytes": peak, "max_memory_allocated": max_allocated, "groups": group_by_origin(blocks),
+            "active_peak_bytes": active_peak, "max_active_bytes": max_active,
+            "active_groups": group_by_origin(active_blocks, top=10),
+            # a full ring buffer dropped the step's first events: the peak may precede them
+            "trace_entries": entries, "trace_full": entries >= MEMORY_PEAK_ENTRIES}
 
 
 def _profile_step(args, step) -> None:
@@ -976,6 +1026,13 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=600, help="seconds per system")
     p.add_argument("--profile", default=None,
                    help="directory: profile one more step per system, write its op tables there")
+    p.add_argument("--memory-peak", action="store_true",
+                   help="CUDA: after the timed steps, one more untimed step under the caching "
+                        "allocator's history; print and record (row key memory_at_peak) what was "
+                        "live at its allocated-bytes peak, by where it was allocated (bench/memory_peak.py)")
+    p.add_argument("--memory-peak-snapshot", default=None, metavar="PATH",
+                   help="with --memory-peak: also write that step's allocator snapshot there (a pickle "
+                        "for pytorch.org/memory_viz; large)")
     p.add_argument("--out", default=None,
                    help="JSONL to append rows to (default bench/results/train.jsonl; --smoke: none)")
     p.add_argument("--system", help=argparse.SUPPRESS)  # child mode
@@ -1026,7 +1083,8 @@ def main(argv=None) -> int:
                 row["mfu"] = row["tflops"] / probe["matmul_tflops"]
                 row["probe"] = probe
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe")}), file=sys.stderr)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe", "memory_at_peak")}),
+                  file=sys.stderr)
             if args.out:
                 append_rows(args.out, [row])  # row by row: a later system's crash loses nothing
             progress(f"  error: {row['error']}" if "error" in row else
@@ -1037,6 +1095,10 @@ def main(argv=None) -> int:
                         if row.get("threads_sweep") else "")
                      + (f", slabs sweep {[(t['grad_slabs'], round(t['step_s'], 3)) for t in row['slabs_sweep']]}"
                         if row.get("slabs_sweep") else ""))
+            if row.get("memory_at_peak"):  # now, not with the table: a later system may time out
+                _print_memory_at_peak(row["memory_at_peak"])
+            if row.get("memory_at_peak_error"):
+                progress(f"  --memory-peak failed: {row['memory_at_peak_error']}")
     compiled_at = {r["layers"]: r["step_s"] for r in rows if r["system"] == "resident-compiled" and "step_s" in r}
     print(f"probe: {probe}")
     print(f"{'system':18s} {'tok/s':>8s} {'TFLOP/s':>7s} {'MFU':>5s} {'step s':>6s} {'GPU GiB':>7s} "
@@ -1104,7 +1166,25 @@ def main(argv=None) -> int:
         print(f"{'':18s} host time in calls: " + ", ".join(
             f"{k[:-2]}={r[k]:.3f}" for k in ("forward_call_s", "backward_call_s", "optimizer_call_s",
                                                "final_sync_s") if k in r))
+    if args.memory_peak and not args.device.startswith("cuda"):
+        print(f"--memory-peak: records the CUDA caching allocator; nothing recorded on {args.device}")
     return 0
+
+
+def _print_memory_at_peak(m: dict) -> None:
+    """A row's memory_at_peak (_memory_at_peak) as two tables: by allocated bytes, then by
+    active bytes (frees waiting on record_stream events still count)."""
+    from memory_peak import summary_table
+
+    g = 2**30
+    print(f"{'':18s} memory at the extra step's peak: replayed {m['peak_bytes'] / g:.2f} GiB allocated, "
+          f"max_memory_allocated {m['max_memory_allocated'] / g:.2f} GiB; replayed "
+          f"{m['active_peak_bytes'] / g:.2f} GiB active, peak active {(m['max_active_bytes'] or 0) / g:.2f} GiB; "
+          f"{m['trace_entries']} events" + (" (ring buffer full: the peak may be older)" if m["trace_full"] else ""))
+    for title, total, groups in (("allocated at the peak", m["peak_bytes"], m["groups"]),
+                                 ("active at the active peak (frees waiting on record_stream count)",
+                                  m["active_peak_bytes"], m["active_groups"])):
+        print("\n".join(f"{'':20s}{line}" for line in summary_table(total, groups, title).splitlines()))
 
 
 if __name__ == "__main__":

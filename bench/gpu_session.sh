@@ -7,15 +7,13 @@
 # Env:
 #   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 3B
 #                  at 16k tokens, 20 GiB (within the issue's 1.3x of FSDP2's 17.5 GiB
-#                  peak), megatrain with resident AdamW state and the fused loss, with and
-#                  without backlog="host", beside resident compiled: the host backlog's
-#                  A/B where session 17 met the 3B/16k target, bench/results/NOTES.md;
-#                  3 warm-up steps: the reserve grows after step 2 and step 3 adopts the
-#                  regions it admits, a one-time upload; then the host optimizer's thread
-#                  sweep, 8 (the default, half the cores) against 12 and 16, then 8 with
-#                  bf16 gradient copies (4 B/param less through host memory): session 17's
-#                  probe lost a third of AdamW's rate beside the DMA; three 3B children
-#                  took ~460 s in session 17, the sweeps add ~20 s each); "" skips
+#                  peak), megatrain with resident AdamW state, the fused loss and
+#                  backlog="host" beside resident compiled, with --memory-peak: session 19
+#                  measured 0.92x there but a step peak of 20.2-21.5 GiB; the runtime now
+#                  sends resident regions home after a step over gpu_memory (at the third step's
+#                  start, hence 4 warm-up steps), and the extra step names what the plan
+#                  missed (bench/results/NOTES.md, session 19); two 3B children took ~330 s);
+#                  "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
@@ -48,7 +46,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled,megatrain+updates=resident+kernels=linear_cross_entropy --steps 6 --warmup 3 --optim-threads 8,12,16,8/bf16,8"
+default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled --steps 7 --warmup 4 --memory-peak"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

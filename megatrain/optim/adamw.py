@@ -141,6 +141,8 @@ class AdamW(Optimizer):
         self._piece_seen: dict[Tensor, int] = {}  # param -> elements handed in so far (caller)
         self._piece_fresh: dict[Tensor, bool] = {}  # param -> p.grad started empty (worker)
         self._resident = ResidentState()  # params whose state lives on the device
+        self._shadows: dict[Tensor, Tensor] = {}  # param -> its low-precision copy (keep_shadows)
+        self._shadow_marks: dict[Tensor, tuple[int, float]] = {}  # param -> (version, step) written at
 
     # ---- the region API (called by the runtime) -------------------------------------
 
@@ -504,6 +506,52 @@ class AdamW(Optimizer):
     def is_resident(self, p: Tensor) -> bool:
         return p in self._resident
 
+    def keep_shadows(self, params: Sequence[Tensor], shadows: Sequence[Tensor]) -> None:
+        """Keep a low-precision copy of each of ``params`` in ``shadows`` (contiguous, its
+        shape; the runtime's page-locked bf16 weight source, option ``weight_shadow``):
+        written now, then by every host update right after it updates each chunk.
+
+        A shadow is current (``shadow_sources``) only while its parameter has neither been
+        written by anything else (its version counter moved: load_state_dict, a
+        device-site update's copy back, a resident region coming home, a user's in-place
+        write under no_grad) nor been updated without it (its AdamW step moved). A write
+        through ``p.data`` moves neither and is not seen."""
+        params = list(params)
+        self.wait_params(params)
+        with torch.no_grad():
+            for p, sh in zip(params, shadows):
+                if sh.shape != p.shape or not sh.is_contiguous():
+                    raise ValueError(f"keep_shadows(): the shadow of {self._describe(p)} must be "
+                                     f"contiguous and shaped {tuple(p.shape)}, not {tuple(sh.shape)}")
+                sh.copy_(p)
+                self._shadows[p] = sh
+        self._mark_shadows(params)
+
+    def has_shadow(self, p: Tensor) -> bool:
+        return p in self._shadows
+
+    def shadow_sources(self, params: Sequence[Tensor]) -> list[Tensor] | None:
+        """The current shadows of all of ``params`` (``keep_shadows``), or None where any
+        is missing or stale (the caller then reads the masters). Call after the
+        parameters' updates were waited for."""
+        out = []
+        for p in params:
+            sh = self._shadows.get(p)
+            if sh is None or self._shadow_marks.get(p) != self._shadow_mark(p):
+                return None
+            out.append(sh)
+        return out
+
+    def _shadow_mark(self, p: Tensor) -> tuple[int, float]:
+        st = self.state.get(p)
+        return p._version, float(st["step"]) if st and "step" in st else 0.0
+
+    def _mark_shadows(self, params: Iterable[Tensor]) -> None:
+        """The shadows of ``params`` were just written from them (worker, or caller)."""
+        for p in params:
+            if p in self._shadows:
+                self._shadow_marks[p] = self._shadow_mark(p)
+
     def _leave_device(self, params: Sequence[Tensor]) -> None:
         """A host path is about to touch ``params``: resident ones come home first."""
         if len(self._resident):
@@ -860,7 +908,10 @@ class AdamW(Optimizer):
                 g.mul_(coef)
         grads = [functional.like_param(g, p) for p, g in zip(params, grads)]
         exp_avgs, exp_avg_sqs, steps = self._state_of(params)
-        functional.adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+        shadows = [self._shadows.get(p) for p in params] if self._shadows else None
+        functional.adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, **hyper)
+        if shadows:
+            self._mark_shadows(params)
 
     def _apply_region(
         self,
@@ -879,7 +930,7 @@ class AdamW(Optimizer):
     def _apply_pieces(self, work: dict[int, list[tuple]], hypers: dict[int, dict[str, float]]) -> None:
         """Worker: final pieces, applied now (earlier micro-batches sit in p.grad)."""
         for gi, items in work.items():
-            ps, gs, ms, vs, steps = [], [], [], [], []
+            ps, gs, ms, vs, steps, shadows = [], [], [], [], [], []
             for p, start, g, first, _ in items:
                 end = start + g.numel()
                 if p.grad is not None:
@@ -892,7 +943,10 @@ class AdamW(Optimizer):
                 ms.append(m.view(-1)[start:end])
                 vs.append(v.view(-1)[start:end])
                 steps.append(step)
-            functional.adamw_at_step_(ps, gs, ms, vs, steps, **hypers[gi])
+                sh = self._shadows.get(p)
+                shadows.append(None if sh is None else sh.view(-1)[start:end])
+            functional.adamw_at_step_(ps, gs, ms, vs, steps, shadows, **hypers[gi])
+            self._mark_shadows(p for p, *_ in items)
 
     def _accumulate_pieces(self, work: dict[int, list[tuple]], final: bool) -> None:
         """Worker: pieces summed into p.grad like ``_accumulate_region`` (a parameter whose

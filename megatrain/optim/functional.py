@@ -36,6 +36,7 @@ def adamw_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
+    shadows: list[Tensor | None] | None = None,
     **hyper: float,
 ) -> None:
     """One AdamW step in place (hyper: lr, beta1, beta2, weight_decay, eps). Every grad
@@ -46,11 +47,16 @@ def adamw_(
     upcast chunk by chunk into a reused fp32 scratch right before the fused kernel reads
     it. Upcasting is exact, and AdamW is elementwise, so the result is bitwise that of
     ``adamw_`` on ``grad.float()``; but the host never writes and re-reads a full fp32
-    gradient (4 + 4 bytes per parameter of memory traffic, and fresh pages to fault in)."""
+    gradient (4 + 4 bytes per parameter of memory traffic, and fresh pages to fault in).
+
+    ``shadows``: per parameter None or a contiguous lower-precision tensor of its shape
+    (the streamer's bf16 weight shadow) that receives the updated values, cast chunk by
+    chunk right after each chunk's update, while it is still in cache: 2 bytes per
+    parameter written, where a separate cast pass would read the 4-byte master again."""
     if not params:
         return
     torch._foreach_add_(steps, 1)
-    adamw_at_step_(params, grads, exp_avgs, exp_avg_sqs, steps, **hyper)
+    adamw_at_step_(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, **hyper)
 
 
 def adamw_at_step_(
@@ -59,6 +65,7 @@ def adamw_at_step_(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
+    shadows: list[Tensor | None] | None = None,
     **hyper: float,
 ) -> None:
     """``adamw_`` with the step counts already advanced: what pieces of one parameter
@@ -66,15 +73,16 @@ def adamw_at_step_(
     must start at multiples of PIECE_ALIGN elements to round like the whole tensor."""
     if not params:
         return
-    same = [i for i, (p, g) in enumerate(zip(params, grads)) if g.dtype == p.dtype]
-    if len(same) == len(params):
+    shadows = shadows or [None] * len(params)
+    whole = [i for i, (p, g, sh) in enumerate(zip(params, grads, shadows)) if g.dtype == p.dtype and sh is None]
+    if len(whole) == len(params):
         _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper)
         return
     pick = lambda ts, idx: [ts[i] for i in idx]  # noqa: E731
-    if same:
-        _fused(*(pick(ts, same) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
-    low = sorted(set(range(len(params))) - set(same))
-    _adamw_upcast(*(pick(ts, low) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
+    if whole:
+        _fused(*(pick(ts, whole) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
+    rest = sorted(set(range(len(params))) - set(whole))
+    _adamw_chunked(*(pick(ts, rest) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps, shadows)), hyper)
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
@@ -84,33 +92,46 @@ def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
     )
 
 
-def _adamw_upcast(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
-    """Fused AdamW over batches of at most UPCAST_CHUNK elements whose gradients are first
-    copied (upcast) into the scratch. Steps were already incremented: each chunk of a
-    parameter passes that parameter's step tensor."""
+def _adamw_chunked(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, hyper) -> None:
+    """Fused AdamW over batches of at most UPCAST_CHUNK elements: gradients in a lower
+    precision are first copied (upcast) into the scratch, and each piece's shadow, if it
+    has one, gets the piece's new values right after the batch's update. Steps were
+    already incremented: each chunk of a parameter passes that parameter's step tensor."""
     chunk = UPCAST_CHUNK
-    scratch = getattr(_scratch, "buf", None)
-    if scratch is None or scratch.numel() < chunk or scratch.dtype != params[0].dtype:
-        scratch = _scratch.buf = torch.empty(chunk, dtype=params[0].dtype)
-    batch: tuple[list, ...] = ([], [], [], [], [])
+    scratch = None
+    if any(g.dtype != p.dtype for p, g in zip(params, grads)):
+        scratch = getattr(_scratch, "buf", None)
+        if scratch is None or scratch.numel() < chunk or scratch.dtype != params[0].dtype:
+            scratch = _scratch.buf = torch.empty(chunk, dtype=params[0].dtype)
+    batch: tuple[list, ...] = ([], [], [], [], [], [])
     used = 0
 
     def flush() -> None:
         nonlocal used
-        ps, lows, ms, vs, ss = batch
+        ps, given, ms, vs, ss, shs = batch
         gs, off = [], 0
-        for g in lows:
-            gs.append(scratch[off:off + g.numel()].copy_(g))
-            off += g.numel()
+        for p, g in zip(ps, given):
+            if g.dtype != p.dtype:
+                g = scratch[off:off + g.numel()].copy_(g)
+                off += g.numel()
+            gs.append(g)
         _fused(ps, gs, ms, vs, ss, hyper)
+        for p, sh in zip(ps, shs):
+            if sh is not None:
+                sh.copy_(p)
         for part in batch:
             part.clear()
         used = 0
 
-    for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+    for p, g, m, v, s, sh in zip(params, grads, exp_avgs, exp_avg_sqs, steps, shadows):
         if not all(t.is_contiguous() for t in (p, g, m, v)):
             _fused([p], [g.to(p.dtype)], [m], [v], [s], hyper)
+            if sh is not None:
+                sh.copy_(p)
             continue
+        if sh is not None and not (sh.is_contiguous() and sh.shape == p.shape):
+            raise ValueError(f"a shadow must be contiguous and shaped like its parameter: "
+                             f"{tuple(sh.shape)} (contiguous: {sh.is_contiguous()}) for {tuple(p.shape)}")
         flat = [t.view(-1) for t in (p, g, m, v)]
         for start in range(0, p.numel(), chunk):
             k = min(chunk, p.numel() - start)
@@ -119,6 +140,7 @@ def _adamw_upcast(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
             for part, t in zip(batch, flat):
                 part.append(t[start:start + k])
             batch[4].append(s)
+            batch[5].append(None if sh is None else sh.view(-1)[start:start + k])
             used += k
     if used:
         flush()

@@ -12,8 +12,10 @@
 #                  measured 0.92x there but a step peak of 20.2-21.5 GiB; the runtime now
 #                  sends resident regions home after a step over gpu_memory (at the third step's
 #                  start, hence 4 warm-up steps), and the extra step names what the plan
-#                  missed (bench/results/NOTES.md, session 19); two 3B children took ~330 s);
-#                  "" skips
+#                  missed (bench/results/NOTES.md, session 19); then the same with
+#                  weight_shadow (bf16 weight copies from the host: the forward's copy
+#                  stall), whose CUDA test runs in the test groups after it; three 3B
+#                  children ~450 s); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, kernels + streamer + device
@@ -46,7 +48,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled --steps 7 --warmup 4 --memory-peak"
+default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled,megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host+weight-shadow --steps 7 --warmup 4 --memory-peak"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

@@ -705,6 +705,8 @@ def run_system(args) -> dict:
             options["offload"] = False
         if args.keep_weights:
             options["keep_weights"] = True
+        if args.weight_shadow:
+            options["weight_shadow"] = True
         if args.kernels:
             options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
@@ -835,6 +837,7 @@ def run_system(args) -> dict:
         "grad_chunk": args.grad_ring if args.system == "megatrain" else None,
         "offload": not args.no_offload if args.system == "megatrain" else None,
         "keep_weights": args.keep_weights if args.system == "megatrain" else None,
+        "weight_shadow": args.weight_shadow if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},
     }
     if sweep:
@@ -1014,6 +1017,10 @@ def main(argv=None) -> int:
     p.add_argument("--keep-weights", action="store_true",
                    help="megatrain: compile option `keep_weights` (the backward reuses the forward's "
                         "weights where the budget has room; variant megatrain+keep-weights)")
+    p.add_argument("--weight-shadow", action="store_true",
+                   help="megatrain: compile option `weight_shadow` (weights stream from bf16 copies the "
+                        "host optimizer keeps current: 2 B/param of H2D instead of 4; variant "
+                        "megatrain+weight-shadow)")
     p.add_argument("--huge-pages", default="on", choices=("on", "off"),
                    help="megatrain's host state on transparent huge pages (MEGATRAIN_HUGE_PAGES; "
                         "off: torch's allocator); variant megatrain+huge-pages=off")

@@ -145,6 +145,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params,
                                      grad_slabs=opts.grad_slabs)
+    streamer.weight_shadow = opts.weight_shadow
     sid = streamer_mod.register(streamer)
     # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
     retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None

@@ -132,6 +132,18 @@ class Options:
         1.3B/16k it kept 20 regions and cut the H2D bytes from 10.5 to 6.4 GB per step at
         the same step time (0.592 s against 0.582): the host's updates bound that step,
         not the link; it is for steps the link bounds (bench/results/NOTES.md, session 11).
+    weight_shadow: with megatrain.AdamW and precision="bf16", keep a page-locked bf16 copy
+        of every streamed parameter in host memory, which the optimizer writes as it
+        updates each chunk (still in cache), and fetch weights from it: the H2D moves 2
+        bytes a parameter instead of the fp32 master's 4, and the device casts nothing.
+        Same values, bitwise (both casts round to nearest even). Costs 2 B/param of host
+        memory and 2 B/param more written by the host per update. A shadow written by
+        anything but the optimizer's update (load_state_dict, an in-place write under
+        no_grad, a device-site update's copy back) is stale until the next update, and
+        those fetches read the master; a write through ``p.data`` is not seen. Default
+        False until measured: on an H100 host at 3B/16k the forward waited ~3.6 ms per
+        streamed layer for fp32 weights copying at ~35 GB/s beside the host's AdamW
+        (bench/results/NOTES.md, session 19).
     """
 
     device: torch.device
@@ -146,6 +158,7 @@ class Options:
     grad_chunk: int | None = None
     grad_slabs: int | None = None
     keep_weights: bool = False
+    weight_shadow: bool = False
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -236,10 +249,17 @@ def parse_options(options: dict | None) -> Options:
         grad_slabs = 2
     keep_weights = _flag(options, "keep_weights", False, "the forward's weights of the regions "
                          "whose backward comes first stay on the device for it, where the budget has room")
+    weight_shadow = _flag(options, "weight_shadow", False, "weights stream from a bf16 copy "
+                          "the host optimizer keeps current, 2 bytes a parameter instead of 4")
+    if weight_shadow and precision != "bf16":
+        raise MegatrainValueError(
+            f"weight_shadow=True with precision={precision!r}: the shadow is the bf16 copy the "
+            f"device computes with; an fp32 step already streams the masters as they are. "
+            f"Use precision='bf16' or drop weight_shadow")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
                    backlog=backlog, offload=offload, grad_chunk=grad_chunk, grad_slabs=grad_slabs,
-                   keep_weights=keep_weights)
+                   keep_weights=keep_weights, weight_shadow=weight_shadow)
 
 
 def _flag(options: dict, name: str, default: bool, meaning: str) -> bool:

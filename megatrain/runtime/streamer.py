@@ -43,7 +43,8 @@ from .deadlines import DeadlineQueue, Deadlines
 from .grad_backlog import GradBacklog, Held
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
-from .host_store import is_page_locked, release_cached_pinned_blocks, release_unused_pinned_blocks
+from .host_store import (host_buffer, is_page_locked, release_cached_pinned_blocks,
+                         release_unused_pinned_blocks)
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError, format_bytes
 from ..optim import device_update
@@ -230,6 +231,7 @@ class Streamer:
         self._early: dict[int, tuple[_Inflight, list[int]]] = {}
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
+        self.weight_shadow = False  # option weight_shadow: fetch from AdamW's bf16 shadows
         self.device_updates: DeviceUpdates | None = None  # regions whose AdamW runs here
         self.resident: ResidentRegions | None = None  # regions whose AdamW state lives here
         self._resident_claimed = False  # begin_step sends other graphs' residents home, once
@@ -473,15 +475,22 @@ class Streamer:
         _host_copies_current(host_params)
         # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
         self.stats.h2d_bytes += nbytes
+        shadow = self._shadow_spans(host_params, lay) if self.weight_shadow else None
+        if shadow is not None:
+            self.stats.fetch_paths["shadow"] += 1
+            spans = shadow
         if not self.cuda:
-            self.stats.fetch_paths["cpu"] += 1
+            if shadow is None:
+                self.stats.fetch_paths["cpu"] += 1
             for off, n, src in spans:
                 flat[off:off + n].copy_(src)
         else:
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
             pinned = all(is_page_locked(src) for _, _, src in spans)
-            if pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
+            if shadow is not None and pinned:
+                entry.done = self._copy_in(flat, spans, allocated, region)
+            elif pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
                 self.stats.fetch_paths["page-locked"] += 1
                 entry.done = self._copy_in(flat, spans, allocated, region)
             elif pinned and self._device_cast_chunk(lay.numel) is not None:
@@ -493,6 +502,25 @@ class Streamer:
                 self.stats.fetch_paths["host-cast" if pinned else "host-cast (pageable)"] += 1
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
         return entry
+
+    def _shadow_spans(self, host_params: list, lay: FlatLayout) -> list | None:
+        """Option weight_shadow: the spans of ``host_params``' page-locked copies in the
+        compute dtype, which their megatrain.AdamW keeps current as it updates them
+        (AdamW.keep_shadows; +2 B/param of host memory at bf16): the H2D then moves 2
+        bytes a parameter instead of the fp32 master's 4, and nothing is cast on the
+        device. None (read the masters) where the parameters have no single such owner or a
+        shadow is stale. The first fetch of a parameter allocates and writes its shadow."""
+        owners = {id(o): o for o in map(owner_of, host_params)}
+        opt = next(iter(owners.values())) if len(owners) == 1 else None
+        if opt is None or not hasattr(opt, "keep_shadows"):
+            return None
+        missing = [p for p in host_params if not opt.has_shadow(p)]
+        if missing:
+            fresh = FlatLayout.of([p.shape for p in missing])
+            buf = host_buffer(fresh.numel, self.compute_dtype, pin=self.cuda)
+            opt.keep_shadows(missing, fresh.views(buf))
+        sources = opt.shadow_sources(host_params)
+        return None if sources is None else contiguous_spans(sources, lay)
 
     def _copy_resident(self, flat, lay, sources):
         """Cast the device masters of a resident region into its weight buffer: on the

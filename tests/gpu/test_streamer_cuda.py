@@ -98,3 +98,31 @@ def test_first_backward_gives_back_what_the_pinned_allocator_caches_unused(monke
     held = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     assert held <= cached - (64 << 20), (cached, held)
     assert torch.equal(kept, expected)
+
+
+def test_shadowed_weights_are_the_masters_cast_and_train_alike_on_cuda():
+    """Option weight_shadow on CUDA: after the first step every host fetch copies the
+    page-locked bf16 shadows (path "shadow", no device cast), each fetched weight is
+    bitwise the bf16 cast of its master, and training agrees with the fp32-master path
+    like any two bf16 CUDA runs (test_backlog_cuda.py: a ulp of bf16 may differ, so the
+    losses within 2e-2, the parameters not compared)."""
+    from megatrain.optim import AdamW
+    from megatrain.optim.registry import owner_of
+
+    from .compare import assert_runs_agree, seeded_llama_and_batches
+    from ..compiler.helpers import train_megatrain
+
+    model, batches = seeded_llama_and_batches()
+    options = {"device": "cuda", "precision": "bf16", "gpu_memory": "2GiB"}
+    shadowed = train_megatrain(model, batches, {**options, "weight_shadow": True})
+    masters = train_megatrain(model, batches, options)
+    paths = shadowed["plan"].streamer.last_stats.fetch_paths
+    assert paths["shadow"] > 0 and paths["device-cast"] == paths["host-cast"] == 0, dict(paths)
+    opt = next(o for o in map(owner_of, shadowed["model"].parameters()) if isinstance(o, AdamW))
+    for p in shadowed["model"].parameters():
+        (shadow,) = opt.shadow_sources([p]) or (None,)
+        assert shadow is not None and is_page_locked(shadow)
+        assert torch.equal(shadow, p.detach().to(torch.bfloat16))
+    assert_runs_agree(model, [p.detach() for p in shadowed["model"].parameters()],
+                      [p.detach() for p in masters["model"].parameters()], shadowed["losses"], masters["losses"],
+                      loss_rtol=2e-2, compare_params=False)

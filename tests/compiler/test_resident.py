@@ -329,6 +329,17 @@ def _peaks_over_budget_at_step(monkeypatch, streamer, step_index: int, over: int
     monkeypatch.setattr(streamer, "_allocator_peak", peak)
 
 
+def _every_region_resident(model, batch):
+    """A copy of ``model`` compiled with room for every region's resident state, after one
+    step (compiling; the first measured step is the next): copy, optimizer, step, streamer."""
+    roomy, need, scratch = residency_costs(model, [batch])
+    streamed = copy.deepcopy(model)
+    opt, step = compiled(streamed, "resident", prefetch=0,
+                         gpu_memory=roomy.predicted_peak_bytes + scratch + sum(need.values()))
+    run(step, opt, [batch])
+    return streamed, opt, step, megatrain.explain(step).graphs[0].streamer
+
+
 def test_a_step_over_gpu_memory_sends_the_last_admitted_regions_home(monkeypatch):
     """Streamer.shrink_reserve (on CUDA from the second measured step on, with its allocator
     peak): a step over gpu_memory sends resident regions home at the next step's start,
@@ -340,12 +351,7 @@ def test_a_step_over_gpu_memory_sends_the_last_admitted_regions_home(monkeypatch
     torch.manual_seed(11)
     model = llama(layers=3)
     batches = random_batches(VOCAB, 5, batch=2, seq=8)
-    roomy, need, scratch = residency_costs(model, batches[:1])
-    streamed = copy.deepcopy(model)
-    opt, step = compiled(streamed, "resident", prefetch=0,
-                         gpu_memory=roomy.predicted_peak_bytes + scratch + sum(need.values()))
-    run(step, opt, batches[:1])  # compiles; the first measured step is the next one
-    streamer = megatrain.explain(step).graphs[0].streamer
+    streamed, opt, step, streamer = _every_region_resident(model, batches[0])
     admitted = list(streamer.resident.regions)
     assert len(admitted) >= 3, admitted
     held = dict(streamer.resident.held)
@@ -381,12 +387,7 @@ def test_an_overrun_beyond_the_resident_state_sends_all_home_and_warns(monkeypat
     torch.manual_seed(12)
     model = llama(layers=2)
     batches = random_batches(VOCAB, 4, batch=2, seq=8)
-    roomy, need, scratch = residency_costs(model, batches[:1])
-    streamed = copy.deepcopy(model)
-    opt, step = compiled(streamed, "resident", prefetch=0,
-                         gpu_memory=roomy.predicted_peak_bytes + scratch + sum(need.values()))
-    run(step, opt, batches[:1])
-    streamer = megatrain.explain(step).graphs[0].streamer
+    streamed, opt, step, streamer = _every_region_resident(model, batches[0])
     assert streamer.resident.regions
     _peaks_over_budget_at_step(monkeypatch, streamer, MEASURED_STEP, streamer.pool.budget)
     run(step, opt, batches[1:1 + MEASURED_STEP])

@@ -475,7 +475,7 @@ class Streamer:
         _host_copies_current(host_params)
         # PCIe bytes: the host tensors' own bytes when the device casts, else the flat's.
         self.stats.h2d_bytes += nbytes
-        shadow = self._shadow_spans(host_params, lay) if self.weight_shadow else None
+        shadow = self._shadow_spans(region, host_params, lay) if self.weight_shadow else None
         if shadow is not None:
             self.stats.fetch_paths["shadow"] += 1
             spans = shadow
@@ -503,13 +503,17 @@ class Streamer:
                 entry.done = self._caster.submit(self._cast_and_copy_in, flat, spans, allocated, region)
         return entry
 
-    def _shadow_spans(self, host_params: list, lay: FlatLayout) -> list | None:
+    def _shadow_spans(self, region: int, host_params: list, lay: FlatLayout) -> list | None:
         """Option weight_shadow: the spans of ``host_params``' page-locked copies in the
         compute dtype, which their megatrain.AdamW keeps current as it updates them
         (AdamW.keep_shadows; +2 B/param of host memory at bf16): the H2D then moves 2
         bytes a parameter instead of the fp32 master's 4, and nothing is cast on the
         device. None (read the masters) where the parameters have no single such owner or a
-        shadow is stale. The first fetch of a parameter allocates and writes its shadow."""
+        shadow is stale, and for regions updated on the device (each copy back would leave
+        the shadow stale, so it would only cost memory). The first fetch of a parameter
+        allocates and writes its shadow."""
+        if self.device_updates is not None and region in self.device_updates.regions:
+            return None
         owners = {id(o): o for o in map(owner_of, host_params)}
         opt = next(iter(owners.values())) if len(owners) == 1 else None
         if opt is None or not hasattr(opt, "keep_shadows"):

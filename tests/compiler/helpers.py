@@ -78,7 +78,7 @@ def train_eager(model, batches, max_grad_norm=None, lr_decay=1.0):
 def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=False, lr_decay=1.0):
     """`train_eager`'s run through the backend with megatrain.AdamW: a copy of `model`,
     compiled with `options`; with `accumulate` each batch's first row is a micro-batch of its
-    own (inside opt.accumulate()). Returns the model, its flat parameters, the losses, the
+    own (inside opt.accumulate()). Returns the model, its optimizer, its flat parameters, the losses, the
     first graph's plan and, after each step(), how many updates were still deferred and the
     global gradient norm it clipped with (None without max_grad_norm)."""
     torch._dynamo.reset()
@@ -101,7 +101,7 @@ def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=F
             group["lr"] *= lr_decay
         opt.zero_grad()
     opt.synchronize()
-    return dict(model=model, params=flat(model.parameters()), losses=losses, deferred=deferred, norms=norms,
+    return dict(model=model, opt=opt, params=flat(model.parameters()), losses=losses, deferred=deferred, norms=norms,
                 plan=megatrain.explain(step).graphs[0], step=step)
 
 

@@ -40,6 +40,25 @@ def test_shadowed_training_is_bitwise_the_masters_path(more, monkeypatch):
     assert masters["plan"].streamer.last_stats.fetch_paths["shadow"] == 0
 
 
+def test_regions_updated_on_the_device_get_no_shadow():
+    """updates="device": a region's AdamW runs on the device and copies the master back,
+    which would leave a shadow stale every step, so those regions get none and fetch their
+    masters; training is bitwise the run without shadows."""
+    torch.manual_seed(4)
+    model = Llama(small_llama_config(2))
+    batches = random_batches(SMALL_VOCAB, 3, batch=2, seq=16)
+    shadowed = train_megatrain(model, batches, options(True, updates="device"))
+    masters = train_megatrain(model, batches, options(False, updates="device"))
+    assert torch.equal(shadowed["params"], masters["params"]) and shadowed["losses"] == masters["losses"]
+    plan = shadowed["plan"]
+    device_sites = {r for r, site in plan.update_sites.items() if site == "device"}
+    assert device_sites, plan.update_sites
+    opt = shadowed["opt"]
+    names = dict(shadowed["model"].named_parameters())
+    on_device = {fqn for r in plan.regions if r.id in device_sites for fqn in r.param_fqns}
+    assert on_device and not any(opt.has_shadow(names[f]) for f in on_device)
+
+
 def _step(step, opt, ids, labels) -> float:
     loss = step(ids, labels=labels)
     loss.backward()

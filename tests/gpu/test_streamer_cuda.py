@@ -107,7 +107,6 @@ def test_shadowed_weights_are_the_masters_cast_and_train_alike_on_cuda():
     like any two bf16 CUDA runs (test_backlog_cuda.py: a ulp of bf16 may differ, so the
     losses within 2e-2, the parameters not compared)."""
     from megatrain.optim import AdamW
-    from megatrain.optim.registry import owner_of
 
     from .compare import assert_runs_agree, seeded_llama_and_batches
     from ..compiler.helpers import train_megatrain
@@ -118,7 +117,8 @@ def test_shadowed_weights_are_the_masters_cast_and_train_alike_on_cuda():
     masters = train_megatrain(model, batches, options)
     paths = shadowed["plan"].streamer.last_stats.fetch_paths
     assert paths["shadow"] > 0 and paths["device-cast"] == paths["host-cast"] == 0, dict(paths)
-    opt = next(o for o in map(owner_of, shadowed["model"].parameters()) if isinstance(o, AdamW))
+    opt = shadowed["opt"]
+    assert isinstance(opt, AdamW)
     for p in shadowed["model"].parameters():
         (shadow,) = opt.shadow_sources([p]) or (None,)
         assert shadow is not None and is_page_locked(shadow)

@@ -27,3 +27,10 @@ def register(params, optimizer) -> None:
 def owner_of(p):
     ref = _OWNER.get(id(p))
     return ref() if ref is not None else None
+
+
+def sole_owner(params):
+    """The one optimizer owning all of ``params``; None where they have several owners or
+    none."""
+    owners = {id(o): o for o in map(owner_of, params)}
+    return next(iter(owners.values())) if len(owners) == 1 else None

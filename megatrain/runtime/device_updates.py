@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..optim import device_update
-from ..optim.registry import owner_of
+from ..optim.registry import sole_owner
 from . import handoff_graphs
 from .layout import FlatLayout
 from .pool import DevicePool, Reserve
@@ -162,8 +162,7 @@ def _willing_owner(params: list):
     """The one optimizer owning all of ``params`` if it would update them on the device
     now (``device_update_blocker``), else None: several owners, none left, one that
     objects or one without device updates."""
-    owners = {id(o): o for o in map(owner_of, params)}
-    opt = next(iter(owners.values())) if len(owners) == 1 else None
+    opt = sole_owner(params)
     if not hasattr(opt, "device_update_blocker") or opt.device_update_blocker(params) is not None:
         return None
     return opt

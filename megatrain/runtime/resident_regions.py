@@ -40,7 +40,7 @@ import torch
 
 from ..optim import resident as resident_mod
 from ..optim.adamw import RESIDENT_NEEDS_BUFFERS
-from ..optim.registry import owner_of
+from ..optim.registry import owner_of, sole_owner
 from . import handoff_graphs
 from .layout import FlatLayout
 from .pool import Reserve
@@ -197,6 +197,5 @@ class ResidentRegions:
 
 def _owner(params: list):
     """The one optimizer owning all of ``params`` if it keeps state on the device."""
-    owners = {id(o): o for o in map(owner_of, params)}
-    opt = next(iter(owners.values())) if len(owners) == 1 else None
+    opt = sole_owner(params)
     return opt if hasattr(opt, "make_resident") else None

@@ -48,7 +48,7 @@ from .host_store import (host_buffer, is_page_locked, release_cached_pinned_bloc
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError, format_bytes
 from ..optim import device_update
-from ..optim.registry import owner_of
+from ..optim.registry import owner_of, sole_owner
 from .pool import DevicePool, Reserve
 from .resident_regions import ResidentRegions
 
@@ -477,21 +477,17 @@ class Streamer:
         self.stats.h2d_bytes += nbytes
         shadow = self._shadow_spans(region, host_params, lay) if self.weight_shadow else None
         if shadow is not None:
-            self.stats.fetch_paths["shadow"] += 1
             spans = shadow
         if not self.cuda:
-            if shadow is None:
-                self.stats.fetch_paths["cpu"] += 1
+            self.stats.fetch_paths["cpu" if shadow is None else "shadow"] += 1
             for off, n, src in spans:
                 flat[off:off + n].copy_(src)
         else:
             allocated = torch.cuda.Event()
             allocated.record(torch.cuda.current_stream(self.device))
             pinned = all(is_page_locked(src) for _, _, src in spans)
-            if shadow is not None and pinned:
-                entry.done = self._copy_in(flat, spans, allocated, region)
-            elif pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
-                self.stats.fetch_paths["page-locked"] += 1
+            if pinned and all(src.dtype == self.compute_dtype for _, _, src in spans):
+                self.stats.fetch_paths["page-locked" if shadow is None else "shadow"] += 1
                 entry.done = self._copy_in(flat, spans, allocated, region)
             elif pinned and self._device_cast_chunk(lay.numel) is not None:
                 self.stats.fetch_paths["device-cast"] += 1
@@ -514,9 +510,8 @@ class Streamer:
         allocates and writes its shadow."""
         if self.device_updates is not None and region in self.device_updates.regions:
             return None
-        owners = {id(o): o for o in map(owner_of, host_params)}
-        opt = next(iter(owners.values())) if len(owners) == 1 else None
-        if opt is None or not hasattr(opt, "keep_shadows"):
+        opt = sole_owner(host_params)
+        if not hasattr(opt, "keep_shadows"):
             return None
         missing = [p for p in host_params if not opt.has_shadow(p)]
         if missing:

@@ -209,14 +209,12 @@ def group_by_origin(blocks: list[dict], top: int = 25) -> list[dict]:
     return ranked
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def summary_table(total: int, groups: list[dict], title: str = "live at the peak") -> str:
     """The groups as text: bytes, block count, origin; the title and total first."""
-    lines = [f"{title}: {_size(total)}", f"{'bytes':>10s} {'blocks':>6s}  where"]
-    lines += [f"{_size(g['bytes']):>10s} {g['count']:6d}  {g['where']}" for g in groups]
+    from megatrain.errors import format_bytes
+
+    lines = [f"{title}: {format_bytes(total)}", f"{'bytes':>10s} {'blocks':>6s}  where"]
+    lines += [f"{format_bytes(g['bytes']):>10s} {g['count']:6d}  {g['where']}" for g in groups]
     return "\n".join(lines)
 
 

@@ -857,8 +857,6 @@ def run_system(args) -> dict:
             row["memory_at_peak"] = _memory_at_peak(args, device, lambda: run_steps(1, first=False))
         except Exception as e:  # noqa: BLE001 -- a diagnostic must not cost the run its row
             row["memory_at_peak_error"] = repr(e)[:2000]
-    elif args.memory_peak:
-        print(f"--memory-peak: records the CUDA caching allocator; nothing to record on {device}", file=sys.stderr)
     return row
 
 

@@ -183,8 +183,8 @@ def test_summary_table():
     peak, blocks = live_at_peak(step_snapshot())
     table = summary_table(peak, group_by_origin(blocks, top=2))
     lines = table.splitlines()
-    assert lines[0] == "live at the peak: 34.5 MiB"
-    assert lines[2].split() == ["12.0", "MiB", "1", "megatrain/models/llama.py:88", "forward"]
+    assert lines[0] == "live at the peak: 34.50 MiB"  # megatrain.errors.format_bytes
+    assert lines[2].split() == ["12.00", "MiB", "1", "megatrain/models/llama.py:88", "forward"]
     assert lines[-1].split()[-3:] == ["other", "(2", "origins)"] and len(lines) == 5
     assert summary_table(3 * 2**30, [], "allocated").startswith("allocated: 3.00 GiB")
 

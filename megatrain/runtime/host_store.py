@@ -208,6 +208,23 @@ def host_buffer(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return page_locked_tensor(numel, dtype) if pin else host_zeros(numel, dtype)
 
 
+def host_views(layout: FlatLayout, dtype: torch.dtype, pin: bool) -> list[torch.Tensor]:
+    """`host_buffer` carved into `layout`'s views, for an owner that keeps only the views
+    (AdamW's weight shadows): page-locked pages stay locked until the last view is
+    collected. Why not `layout.views(host_buffer(...))`: `page_locked_tensor` unlocks when
+    the flat tensor object is collected, which is as soon as the caller drops it, while the
+    views still read the memory (H200, session 20: every shadowed fetch then fell to the
+    pageable host-cast path)."""
+    if not pin:
+        return layout.views(host_zeros(layout.numel, dtype))
+    buf, lock = page_locked(layout.numel, dtype, users=len(layout.shapes))
+    views = layout.views(buf)
+    if lock is not None:
+        for view in views:
+            weakref.finalize(view, lock.drop)
+    return views
+
+
 def pinned_allocator_bytes() -> int:
     """Bytes torch's pinned allocator holds: blocks in use, cached, or freed with copies
     whose completion it has not checked yet (0 without CUDA)."""

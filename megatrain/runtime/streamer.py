@@ -43,7 +43,7 @@ from .deadlines import DeadlineQueue, Deadlines
 from .grad_backlog import GradBacklog, Held
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
-from .host_store import (host_buffer, is_page_locked, release_cached_pinned_blocks,
+from .host_store import (host_views, is_page_locked, release_cached_pinned_blocks,
                          release_unused_pinned_blocks)
 from .layout import FlatLayout, contiguous_spans
 from ..errors import UnsupportedError, format_bytes
@@ -516,8 +516,7 @@ class Streamer:
         missing = [p for p in host_params if not opt.has_shadow(p)]
         if missing:
             fresh = FlatLayout.of([p.shape for p in missing])
-            buf = host_buffer(fresh.numel, self.compute_dtype, pin=self.cuda)
-            opt.keep_shadows(missing, fresh.views(buf))
+            opt.keep_shadows(missing, host_views(fresh, self.compute_dtype, pin=self.cuda))
         sources = opt.shadow_sources(host_params)
         return None if sources is None else contiguous_spans(sources, lay)
 

@@ -116,7 +116,8 @@ def test_shadowed_weights_are_the_masters_cast_and_train_alike_on_cuda():
     shadowed = train_megatrain(model, batches, {**options, "weight_shadow": True})
     masters = train_megatrain(model, batches, options)
     paths = shadowed["plan"].streamer.last_stats.fetch_paths
-    assert paths["shadow"] > 0 and paths["device-cast"] == paths["host-cast"] == 0, dict(paths)
+    # every path named: "host-cast (pageable)" is where shadows that lost their page lock went
+    assert paths["shadow"] > 0 and {k for k, n in paths.items() if n} <= {"shadow", "resident"}, dict(paths)
     opt = shadowed["opt"]
     assert isinstance(opt, AdamW)
     for p in shadowed["model"].parameters():

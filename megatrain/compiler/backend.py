@@ -237,6 +237,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
         if bw is not None:
+            streamer.snapshot_window = sched.snapshot_window
             b = insert_transfers(bw, "backward", sid, sched.backward, sched.backward_fetches, opts.device,
                                  opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count

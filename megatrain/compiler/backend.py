@@ -108,8 +108,14 @@ def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -
     plan and hand the device regions to the runtime."""
     problem = plan.schedule.plan.schedule.problem
     itemsize = opts.compute_dtype.itemsize
-    staging = streamer.cast_staging_bytes(update_sites.largest_fetch_params(problem, itemsize))
-    reserve = max(0, opts.gpu_memory - plan.predicted_peak_bytes - staging)
+    largest = update_sites.largest_fetch_params(problem, itemsize)
+    staging = streamer.cast_staging_bytes(largest)
+    room = max(0, opts.gpu_memory - plan.predicted_peak_bytes - staging)
+    # Older gradient snapshots may wait for their copies to the host (settle_snapshots) up
+    # to one fetch's gradients, where the budget has that room beside the plan: the copies
+    # may then lag the backward by a region before the compute stream waits for them.
+    streamer.snapshot_window = min(room, streamer.snapshot_window_bytes(largest))
+    reserve = room - streamer.snapshot_window
     regions = update_sites.gradient_regions(handoffs)
     sites = update_sites.choose_sites(
         opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
@@ -237,7 +243,6 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
         if bw is not None:
-            streamer.snapshot_window = sched.snapshot_window
             b = insert_transfers(bw, "backward", sid, sched.backward, sched.backward_fetches, opts.device,
                                  opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count

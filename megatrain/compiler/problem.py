@@ -10,11 +10,9 @@
                  forward's end, in the working sets; their gradients from the backward's start)
     work_fw/bw   peak transient bytes while a unit runs: a liveness walk of the graph
                  without weights and saved outputs (planner buffers); a weight gradient
-                 counts until the hand-off after its own, so the planner holds no
-                 whole-region gradient buffer; on CUDA at fp32 size (it leaves from an fp32
-                 snapshot), plus a window of one unit's older snapshots whose copies may
-                 lag (the runtime releases the rest in stream order there:
-                 settle_snapshots in runtime/streamer.py). With `fused` (Inductor's
+                 counts until the hand-off after its own (the runtime frees finished
+                 copies there), so the planner holds no whole-region gradient buffer; on
+                 CUDA at fp32 size (it leaves from an fp32 snapshot). With `fused` (Inductor's
                  Triton kernels) plus the unit's largest transient tensor: a fused kernel
                  computes several nodes at once, so one of them may be allocated before,
                  or freed after, the moment the walk in FX order gives it (H200,
@@ -63,8 +61,6 @@ class StepProblem:
     # Per planner region, the names of the saved tensors its boundary output is made of
     # (forward nodes; the backward's placeholders have the same names).
     saved: dict[int, list[str]]
-    # Bytes of older gradient snapshots counted in every backward working set (CUDA).
-    snapshot_window: int = 0
 
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
@@ -90,7 +86,6 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     flops_fw = f.flops(sizes)
     weights, fetched = _weights(graphs, params, dtype)
     work_bw, flops_bw, bw_order, bw_fetched = {}, {}, None, {}
-    snapshot_window = 0
     if bw is not None:
         b = graphs[1]
         bw_order = sorted(b.hull, key=lambda u: b.hull[u][0])
@@ -104,10 +99,6 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents, fused=fused)
         for u, extra in b.self_saved(f, sizes).items():
             work_bw[u] = work_bw.get(u, 0) + extra
-        if sizes.device.type == "cuda":
-            snapshot_window = _snapshot_window(weights, fetched[1])
-            for u in b.hull:
-                work_bw[u] = work_bw.get(u, 0) + snapshot_window
         for u in fw_order:
             # An edge the backward does not follow (it reads no gradient through it, e.g.
             # rotary tables) is dropped; the reader's recompute still holds the output.
@@ -133,16 +124,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     groups = [{f.name: u for u, fs in g.fetch_groups().items() for f in fs} for g in graphs] + [{}]
     return StepProblem(problem, sizes.dims(problem), {u: tuple(m) for u, m in members.items()},
                        uses[0], uses[1], groups[0], groups[1],
-                       {u: [n.name for n in ns] for u, ns in saved_by_unit.items()}, snapshot_window)
-
-
-def _snapshot_window(weights: list[Weight], bw_fetched: dict[int, tuple[int, ...]]) -> int:
-    """Device bytes of older gradient snapshots the runtime lets wait for their copy to the
-    host (Streamer.snapshot_window, settle_snapshots) beside the one the liveness walk
-    counts: one unit's gradients in the transfer dtype, the largest, so the copies may
-    lag the backward by a unit before the compute stream waits for them."""
-    grad = {w.id: w.d2h_bytes for w in weights}
-    return max((sum(grad[w] for w in ws) for ws in bw_fetched.values()), default=0)
+                       {u: [n.name for n in ns] for u, ns in saved_by_unit.items()})
 
 
 def _int(v):

@@ -38,8 +38,6 @@ class StepSchedule:
     backward_fetches: dict[str, int]
     # Regions whose boundary outputs wait in host memory: (saved tensor's name, key) each.
     offloaded: dict[int, list[tuple[str, int]]]
-    # Gradient snapshot bytes the plan lets wait for their copies (Streamer.snapshot_window).
-    snapshot_window: int = 0
 
     @property
     def slots(self) -> int:
@@ -69,4 +67,4 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     kinds = (*WEIGHT_KINDS, *ACTIVATION_KINDS)
     return StepSchedule(plan, rates, sp.units, [t for t in events.forward_all if t.kind in kinds],
                         [t for t in events.backward_all if t.kind in kinds], sp.forward_fetches,
-                        sp.backward_fetches, offloaded, sp.snapshot_window)
+                        sp.backward_fetches, offloaded)

@@ -83,7 +83,8 @@ def settle_snapshots(in_flight: list[list], window: int, wait, keep_newest: bool
     the events it queries are often not reached yet, and each snapshot was held until
     the host noticed its copy. H200, 3B at 16k tokens: 6.3 GiB of snapshots (15 layers'
     gradients) were allocated at the step's peak, where the plan counts each gradient
-    until the next hand-off plus this window (problem.py)."""
+    until the next hand-off; the window is room the budget has beside the plan
+    (compiler/backend.py, _place_updates)."""
     held = []
     for entry in in_flight:
         if entry[2] is not None and not entry[1].query():
@@ -252,7 +253,7 @@ class Streamer:
         self._handoffs: list[concurrent.futures.Future] = []
         self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
         # Bytes of gradient snapshots, the newest excepted, that may wait for their copy
-        # before the compute stream is made to (settle_snapshots): the plan's window.
+        # before the compute stream is made to (settle_snapshots); set beside the plan.
         self.snapshot_window = 0
         self._slabs = GradSlabs(pin=self.cuda, max_slabs=grad_slabs, overlap=self._host_lag_overlaps)
         self._ring: GradRing | None = None  # enable_grad_ring
@@ -1153,6 +1154,12 @@ class Streamer:
         """Device bytes the weight path's cast staging may take beside the plan when the
         largest fetch is ``region_numel`` parameters (only CUDA casts on the device)."""
         return cuda_cast_staging_bytes(region_numel, self.compute_dtype) if self.cuda else 0
+
+    def snapshot_window_bytes(self, region_numel: int) -> int:
+        """The most bytes of older gradient snapshots worth letting wait for their copies
+        (settle_snapshots) when the largest fetch is ``region_numel`` parameters: one
+        region's gradients in the transfer dtype (only CUDA copies from snapshots)."""
+        return region_numel * (self.grad_transfer_dtype or self.compute_dtype).itemsize if self.cuda else 0
 
     # -- gradients out -----------------------------------------------------------------
     def grad_to_host(self, grad: torch.Tensor, param_id: int) -> torch.Tensor:

@@ -141,9 +141,10 @@ class Options:
         anything but the optimizer's update (load_state_dict, an in-place write under
         no_grad, a device-site update's copy back) is stale until the next update, and
         those fetches read the master; a write through ``p.data`` is not seen. Default
-        False until measured: on an H100 host at 3B/16k the forward waited ~3.6 ms per
-        streamed layer for fp32 weights copying at ~35 GB/s beside the host's AdamW
-        (bench/results/NOTES.md, session 19).
+        False: measured slower where built for. On an H100 host at 3B/16k it removed the
+        forward's wait for fp32 weights (0.095 -> 0.004 s a step) but the bf16 write cut
+        the host's update rate by a third, and the host sets that step's pace: 0.991 s
+        against 0.885 (bench/results/NOTES.md, session 20).
     """
 
     device: torch.device

@@ -93,11 +93,11 @@ def settle_snapshots(in_flight: list[list], window: int, wait, keep_newest: bool
             entry[2] = None
     newest = held[-1:] if keep_newest else []
     older = held[:len(held) - len(newest)]
-    nbytes = sum(e[2].numel() * e[2].element_size() for e in older)
+    nbytes = sum(e[2].nbytes for e in older)
     while older and nbytes > window:
         entry = older.pop(0)
         wait(entry[1])
-        nbytes -= entry[2].numel() * entry[2].element_size()
+        nbytes -= entry[2].nbytes
         entry[2] = None
     return older + newest
 
@@ -949,11 +949,14 @@ class Streamer:
         for _, entry in held.views:
             entry[1] = done
 
-    def _release_copied(self) -> None:
-        """Drop device gradient snapshots whose device-to-host copy has completed, and
-        beyond the plan's `snapshot_window` the oldest in stream order (settle_snapshots)."""
-        self._in_flight = settle_snapshots(self._in_flight, self.snapshot_window,
-                                           torch.cuda.current_stream(self.device).wait_event)
+    def _release_copied(self, everything: bool = False) -> None:
+        """Drop device gradient snapshots whose device-to-host copy has completed, and the
+        oldest of the rest in stream order beyond `snapshot_window` (settle_snapshots);
+        ``everything``: all of them, the newest too, in stream order."""
+        window = 0 if everything else self.snapshot_window
+        self._in_flight = settle_snapshots(self._in_flight, window,
+                                           torch.cuda.current_stream(self.device).wait_event,
+                                           keep_newest=not everything)
 
     def _queue_handoff(self, region: int, args: tuple) -> None:
         """A sealed region waits for the hand-off thread, which takes the next one by
@@ -1083,9 +1086,7 @@ class Streamer:
         # this backward (the plan does not count them in the next forward); released in
         # stream order, so the host need not wait for the copies.
         if self._in_flight:
-            settle_snapshots(self._in_flight, 0, torch.cuda.current_stream(self.device).wait_event,
-                             keep_newest=False)
-        self._in_flight = []
+            self._release_copied(everything=True)
         leftover = [i for i, c in self._contrib.items() if c]
         assert not leftover, f"gradients of parameters {leftover} never completed"
         return True

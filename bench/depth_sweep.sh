@@ -5,7 +5,8 @@
 # GiB and its ratio to the shallowest depth (flat within 10% is the claim), host B/param.
 #   bash bench/depth_sweep.sh [more bench/train.py args]
 # Env: MODEL (1.3b: the width), LAYERS (8,16,32,64), TOKENS (16384), GPU_MEMORY (12GiB),
-# STEPS (4), WARMUP (1), RESULTS (jsonl; default $OUT/train.jsonl, else
+# STEPS (7), WARMUP (2; 5 timed steps: with 3 the 32-layer median of session 21 swung
+# 0.755-0.935 s), RESULTS (jsonl; default $OUT/train.jsonl, else
 # bench/results/train.jsonl), SWEEP_TIMEOUT (s, 540).
 # Duration, estimated: Inductor compiles the whole graph, ~75 s at 24 layers on the H200,
 # roughly in proportion to depth (on CPU, tiny model: 30 / 47 / 108 s at 8 / 16 / 32 layers,
@@ -22,6 +23,6 @@ results=${RESULTS:-${OUT:+$OUT/train.jsonl}}
 results=${results:-bench/results/train.jsonl}
 timeout "${SWEEP_TIMEOUT:-540}" python bench/train.py --model "${MODEL:-1.3b}" --systems megatrain \
   --layers "${LAYERS:-8,16,32,64}" --tokens "${TOKENS:-16384}" --gpu-memory "${GPU_MEMORY:-12GiB}" \
-  --steps "${STEPS:-4}" --warmup "${WARMUP:-1}" --out "$results" "$@" 2>&1 | grep -v '^{'
+  --steps "${STEPS:-7}" --warmup "${WARMUP:-2}" --out "$results" "$@" 2>&1 | grep -v '^{'
 python bench/readme_table.py --depth --file "$results" --model "${MODEL:-1.3b}" --tokens "${TOKENS:-16384}" \
   --gpu-memory "${GPU_MEMORY:-12GiB}"

@@ -27,13 +27,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 def test_cuda_fp32_training_matches_eager(name):
     torch.manual_seed(torch.seed() % 2**31)
     model = MODELS[name]()
-    budget = int(0.45 * param_bytes(model))
+    # Half the weights: every layer must stream. (The CPU twin uses 0.45; on CUDA the gpt2
+    # step's leanest plan needs 746349 B, 0.4503 of its weights, session 21: the CUDA
+    # graph's last-block backward holds ~70 KiB more than the CPU graph's.)
+    budget = int(0.5 * param_bytes(model))
     opts = {"device": "cuda", "precision": "fp32", "gpu_memory": budget}
     r = train_side_by_side(model, random_batches(160, 3, batch=2, seq=24), opts, lr=3e-3, device="cuda")
     for a, b in zip(r["loss"], r["loss_ref"]):
         assert abs(a - b) / abs(b) < 1e-5, (r["loss"], r["loss_ref"])
     assert rel(r["grads"], r["grads_ref"]) < 1e-5
     assert rel(r["params"], r["params_ref"]) < 1e-3
+    plan = r["plan"]
+    assert plan.predicted_peak_bytes <= budget
+    weighted = {g.id for g in plan.regions if g.param_fqns}
+    fetched = {e for e in plan.graphs[0].forward_events if e.startswith("prefetch(")}
+    assert fetched == {f"prefetch({i})" for i in weighted}, "every region with weights streams"
 
 
 def test_cuda_bf16_tracks_eager_autocast():

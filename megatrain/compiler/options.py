@@ -77,7 +77,10 @@ class Options:
         H200 at 1.3B/16k, 12 GiB: 46% of the parameters resident, 0.408 s/step with two
         gradient slabs, 0.365 with more (0.78x / 0.88x GPU-resident compiled); at 3B/16k
         nothing fit beside the 10.2 GiB the plan really used (bench/results/NOTES.md,
-        session 14). Not the default until its CUDA tests have run on the GPU.
+        session 14; 0.78x again on an H100 host with the fused loss and backlog="host",
+        session 21). Opt-in although its CUDA tests pass (sessions 19-21): between
+        synchronize() calls the host copies of resident parameters are stale, which code
+        that reads `model.parameters()` on the host would not expect.
     backlog: the order in which regions reach a host optimizer that lags behind backward.
         None (default): arrival order (last layer first), and backward's end waits for
         every update, so the next forward, which needs region 0 (updated last) first,

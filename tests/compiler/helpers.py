@@ -55,6 +55,22 @@ def train_side_by_side(model, batches, options, steps=3, lr=1e-3, device="cpu"):
     return out
 
 
+def assert_streams_each_weighted_region_once(plan) -> None:
+    """A single-graph plan (`megatrain.explain(step)`) streams: every region with weights is
+    fetched exactly once per pass that needs its weights."""
+    graph = plan.graphs[0]
+    weighted = {r.id for r in plan.regions if r.param_fqns}
+    fw = [e for e in graph.forward_events if e.startswith("prefetch(")]
+    bw = [e for e in graph.backward_events if e.startswith("prefetch(")]
+    assert sorted(fw) == sorted(f"prefetch({i})" for i in weighted)
+    assert len(bw) == len(set(bw))
+    # Only the embedding lookup's region may skip the backward fetch (its gradient needs no weight).
+    skipped = weighted - {int(e[9:-1]) for e in bw}
+    assert all(plan.regions[i].name == "prologue" for i in skipped), skipped
+    assert plan.prefetch_count == len(fw) + len(bw)
+    assert "megatrain.prefetch" in plan.code and "megatrain.evict" in plan.code
+
+
 def train_eager(model, batches, max_grad_norm=None, lr_decay=1.0):
     """A copy of `model` trained with torch.optim.AdamW (lr 3e-3, weight decay 0.1), one step
     per batch, clipping the global norm to `max_grad_norm` if given and multiplying the

@@ -18,7 +18,8 @@ import torch
 import megatrain
 from megatrain.models import GPT2, GPT2Config, Llama, LlamaConfig
 
-from .helpers import param_bytes, rel, random_batches, train_side_by_side
+from .helpers import (assert_streams_each_weighted_region_once, param_bytes, rel, random_batches,
+                      train_side_by_side)
 
 
 def llama(tied: bool, layers: int = 8) -> Llama:
@@ -51,18 +52,7 @@ def test_training_matches_eager(name):
     plan = r["plan"]
     assert plan.measured_peak_bytes is not None and 0 < plan.measured_peak_bytes <= budget
     assert plan.predicted_peak_bytes <= budget
-    # Every region with weights is fetched exactly once per pass that needs its weights.
-    graph = plan.graphs[0]
-    weighted = {r.id for r in plan.regions if r.param_fqns}
-    fw = [e for e in graph.forward_events if e.startswith("prefetch(")]
-    bw = [e for e in graph.backward_events if e.startswith("prefetch(")]
-    assert sorted(fw) == sorted(f"prefetch({i})" for i in weighted)
-    assert len(bw) == len(set(bw))
-    # Only the embedding lookup's region may skip the backward fetch (its gradient needs no weight).
-    skipped = weighted - {int(e[9:-1]) for e in bw}
-    assert all(plan.regions[i].name == "prologue" for i in skipped), skipped
-    assert plan.prefetch_count == len(fw) + len(bw)
-    assert "megatrain.prefetch" in plan.code and "megatrain.evict" in plan.code
+    assert_streams_each_weighted_region_once(plan)
 
 
 def test_regions_are_the_layers_plus_outer_regions():

@@ -16,7 +16,8 @@ import megatrain
 from megatrain.compiler.planner import _program, _Shape, describe_live, live_at, program_peak
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import least_budgets, param_bytes, rel, random_batches, train_side_by_side
+from ..compiler.helpers import (assert_streams_each_weighted_region_once, least_budgets, param_bytes, rel,
+                                random_batches, train_side_by_side)
 from ..compiler.test_backend_cpu import MODELS
 from .results import allocations, blocks_at_peak, record_result
 
@@ -37,11 +38,8 @@ def test_cuda_fp32_training_matches_eager(name):
         assert abs(a - b) / abs(b) < 1e-5, (r["loss"], r["loss_ref"])
     assert rel(r["grads"], r["grads_ref"]) < 1e-5
     assert rel(r["params"], r["params_ref"]) < 1e-3
-    plan = r["plan"]
-    assert plan.predicted_peak_bytes <= budget
-    weighted = {g.id for g in plan.regions if g.param_fqns}
-    fetched = {e for e in plan.graphs[0].forward_events if e.startswith("prefetch(")}
-    assert fetched == {f"prefetch({i})" for i in weighted}, "every region with weights streams"
+    assert r["plan"].predicted_peak_bytes <= budget
+    assert_streams_each_weighted_region_once(r["plan"])
 
 
 def test_cuda_bf16_tracks_eager_autocast():

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .deadlines import DeadlineQueue, Deadlines
+from .grad_copies import GradCopy
 from .pool import Reserve
 
 _ALIGN = 64  # as in grad_slabs: every gradient starts on a cache line
@@ -49,13 +50,13 @@ _ALIGN = 64  # as in grad_slabs: every gradient starts on a cache line
 @dataclass
 class Held:
     """One region's gradients on the device: views into one buffer, in arrival order, with
-    the runtime's entries they belong to; ``ready`` (CUDA) marks the last copy done."""
+    the copies to the host they will fill; ``ready`` (CUDA) marks the last copy done."""
 
     region: int
     flat: torch.Tensor | None
     nbytes: int
     used: int = 0
-    views: list = field(default_factory=list)  # (view, entry)
+    views: list[tuple[torch.Tensor, GradCopy]] = field(default_factory=list)
     ready: object = None
     payload: object = None  # the streamer's (pids, parts) for the hand-off
 
@@ -90,7 +91,7 @@ class GradBacklog:
     def holds(self, region: int) -> bool:
         return region in self._filling
 
-    def hold(self, region: int, grad: torch.Tensor, entry: list, dtype: torch.dtype) -> torch.Tensor:
+    def hold(self, region: int, grad: torch.Tensor, entry: GradCopy, dtype: torch.dtype) -> torch.Tensor:
         """Copy ``grad`` into the region's buffer as ``dtype`` (the dtype it crosses the link
         in), on the current stream; returns the view."""
         held = self._filling[region]

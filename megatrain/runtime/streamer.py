@@ -41,6 +41,7 @@ from .activation_offload import ActivationStore
 from .device_updates import DeviceUpdates
 from .deadlines import DeadlineQueue, Deadlines
 from .grad_backlog import GradBacklog, Held
+from .grad_copies import GradCopy, settle_snapshots
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
 from .host_store import (host_views, is_page_locked, release_cached_pinned_blocks,
@@ -69,37 +70,6 @@ _PUMP = ("backlog",)
 # fp32 elements per device staging chunk of the weight path (64 MiB): large enough that the
 # cast kernel after each chunk's copy costs ~1% of the copy, small beside a layer.
 CAST_CHUNK = 16 << 20
-
-
-def settle_snapshots(in_flight: list[list], window: int, wait, keep_newest: bool = True) -> list[list]:
-    """Let go of the device snapshots of gradient copies in flight (entries [staged, done
-    event, snapshot, slab]; the snapshot is set to None) and return the entries still
-    holding one: first those whose copy has completed; then, oldest first, as many more
-    as keep the rest (the newest excepted where ``keep_newest``) within ``window`` bytes,
-    each after ``wait(done)`` has ordered the compute stream after its copy, so the
-    allocator hands its memory out again only to kernels that run after the copy read it.
-
-    Why not only those whose event says done: the launch thread runs ahead of the GPU, so
-    the events it queries are often not reached yet, and each snapshot was held until
-    the host noticed its copy. H200, 3B at 16k tokens: 6.3 GiB of snapshots (15 layers'
-    gradients) were allocated at the step's peak, where the plan counts each gradient
-    until the next hand-off; the window is room the budget has beside the plan
-    (compiler/backend.py, _place_updates)."""
-    held = []
-    for entry in in_flight:
-        if entry[2] is not None and not entry[1].query():
-            held.append(entry)
-        else:
-            entry[2] = None
-    newest = held[-1:] if keep_newest else []
-    older = held[:len(held) - len(newest)]
-    nbytes = sum(e[2].nbytes for e in older)
-    while older and nbytes > window:
-        entry = older.pop(0)
-        wait(entry[1])
-        nbytes -= entry[2].nbytes
-        entry[2] = None
-    return older + newest
 
 
 def cuda_cast_staging_bytes(region_numel: int, compute_dtype: torch.dtype) -> int:
@@ -245,13 +215,13 @@ class Streamer:
         # counters, and one hand-off thread that waits for copies and feeds the optimizer.
         self._expect_param: dict[int, int] = {}
         self._expect_region: dict[int, int] = {}
-        self._contrib: dict[int, list] = collections.defaultdict(list)
+        self._contrib: dict[int, list[GradCopy]] = collections.defaultdict(list)
         self._bound: dict[int, torch.Tensor] = {}  # param_id -> the parameter this backward
         self._region_seen: dict[int, int] = collections.defaultdict(int)
         self._ready: dict[int, list[int]] = collections.defaultdict(list)
         self._handoff: concurrent.futures.ThreadPoolExecutor | None = None
         self._handoffs: list[concurrent.futures.Future] = []
-        self._in_flight: list[list] = []  # [staged, done, device snapshot, slab] per gradient
+        self._in_flight: list[GradCopy] = []  # CUDA copies still holding their snapshot
         # Bytes of gradient snapshots, the newest excepted, that may wait for their copy
         # before the compute stream is made to (settle_snapshots); set beside the plan.
         self.snapshot_window = 0
@@ -759,7 +729,7 @@ class Streamer:
             if not self._slabs.try_open(region) and nbytes:
                 backlog.open(region, nbytes)
         if backlog is not None and backlog.holds(region):
-            entry = [None, None, None, None]  # filled when a slab takes the region (_pump)
+            entry = GradCopy()  # filled when a slab takes the region (_pump)
             backlog.hold(region, grad, entry, dtype)
             self.stats.d2h_bytes += grad.numel() * dtype.itemsize
         else:
@@ -796,22 +766,22 @@ class Streamer:
             slab = self._slabs.seal(region)
             # Contributions of tied weights still waiting for another region sit in this
             # slab too: the hand-off moves them out before it frees the slab.
-            waiting = [e for c in self._contrib.values() for e in c if slab is not None and e[3] is slab]
+            waiting = [e for c in self._contrib.values() for e in c if slab is not None and e.slab is slab]
             self._queue_handoff(region, (ticket, params, parts, slab, waiting, None))
 
-    def _to_slab(self, grad: torch.Tensor, region: int, dtype: torch.dtype) -> list:
+    def _to_slab(self, grad: torch.Tensor, region: int, dtype: torch.dtype) -> GradCopy:
         """Copy one gradient into the region's host slab (waiting for a slab if none is
-        free): its entry [staged, done event, device snapshot, slab]."""
+        free)."""
         t0 = time.perf_counter()
         staged, slab = self._slabs.carve(region, grad.shape, dtype)
         self.stats.slab_wait_s += time.perf_counter() - t0
         if grad.device.type == "cpu":
-            entry = [staged.copy_(grad), None, None, slab]
+            entry = GradCopy(staged.copy_(grad), slab=slab)
         else:
             done, snapshot = self._copy_out_into(staged, grad, region)
             # Holding the snapshot keeps its device memory until the copy ends (no
             # record_stream); `_release_copied` lets go of it in stream order.
-            entry = [staged, done, snapshot, slab]
+            entry = GradCopy(staged, done, snapshot, slab)
             self._in_flight.append(entry)
             self._release_copied()
         return entry
@@ -866,7 +836,7 @@ class Streamer:
         self.stats.slab_wait_s += ring.wait_s - waited
         self.stats.d2h_bytes += n * dtype.itemsize
         if self.cuda:
-            self._in_flight.append([None, done, snapshot, None])
+            self._in_flight.append(GradCopy(done=done, snapshot=snapshot))
             self._release_copied()
 
     def _hand_chunk(self, chunk) -> None:
@@ -933,21 +903,21 @@ class Streamer:
         """Carve the region's gradients in the slab opened for the pump and copy them
         there (CUDA: on the D2H stream after the backlog's copies on the compute stream)."""
         for view, entry in held.views:
-            entry[0], entry[3] = self._slabs.carve(_PUMP, view.shape, view.dtype)
+            entry.staged, entry.slab = self._slabs.carve(_PUMP, view.shape, view.dtype)
         if not self.cuda:
             for view, entry in held.views:
-                entry[0].copy_(view)
+                entry.staged.copy_(view)
             return
         started, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device), torch.cuda.stream(self.d2h_stream):
             self.d2h_stream.wait_event(held.ready)
             started.record(self.d2h_stream)
             for view, entry in held.views:
-                entry[0].copy_(view, non_blocking=True)
+                entry.staged.copy_(view, non_blocking=True)
             done.record(self.d2h_stream)
         self.stats.grad_copies.append((held.region, started, done))
         for _, entry in held.views:
-            entry[1] = done
+            entry.done = done
 
     def _release_copied(self, everything: bool = False) -> None:
         """Drop device gradient snapshots whose device-to-host copy has completed, and the
@@ -964,7 +934,7 @@ class Streamer:
         parts = args[2]
 
         def copied() -> bool:
-            return all(e[1] is None or e[1].query() for c in parts for e in c)
+            return all(e.done is None or e.done.query() for c in parts for e in c)
 
         self._sealed.push(region, args, ready=copied)
         future = self._handoff.submit(self._hand_over_next)
@@ -975,17 +945,17 @@ class Streamer:
         region, args = self._sealed.pop()  # one task per push: never empty
         self._hand_over(region, *args)
 
-    def _hand_over(self, region: int, ticket: int, params: list[torch.Tensor], parts: list[list],
-                   slab, waiting: list[list], held: Held | None) -> None:
+    def _hand_over(self, region: int, ticket: int, params: list[torch.Tensor], parts: list[list[GradCopy]],
+                   slab, waiting: list[GradCopy], held: Held | None) -> None:
         """On the hand-off thread: hand one region's gradients to their optimizer, then
         free its slab (after moving out contributions that wait for another region) and
         let the backlog's next region have it. On error, fail the region's promises."""
         try:
             self._submit_gradients(region, ticket, params, parts, held)
             for entry in waiting:
-                if entry[1] is not None:
-                    entry[1].synchronize()
-                entry[0], entry[3] = entry[0].clone(), None
+                if entry.done is not None:
+                    entry.done.synchronize()
+                entry.staged, entry.slab = entry.staged.clone(), None
         except BaseException as e:
             with self._lock:
                 self._unsubmitted.pop(ticket, None)
@@ -1002,7 +972,7 @@ class Streamer:
                 self._pump()
 
     def _submit_gradients(self, region: int, ticket: int, params: list[torch.Tensor],
-                          parts: list[list], held: Held | None) -> None:
+                          parts: list[list[GradCopy]], held: Held | None) -> None:
         """Wait for the copies, sum tied contributions (in fp32), submit and wait until the
         optimizer has consumed them. A single contribution goes as it crossed the link (a
         narrower dtype is upcast by the optimizer in cache-sized chunks, by a p.grad fallback
@@ -1011,13 +981,13 @@ class Streamer:
         grads = []
         for contributions in parts:
             total = None
-            for staged, done, *_ in contributions:
-                if done is not None:
-                    done.synchronize()
+            for c in contributions:
+                if c.done is not None:
+                    c.done.synchronize()
                 if len(contributions) == 1:
-                    total = staged
+                    total = c.staged
                 else:
-                    total = staged.to(torch.float32, copy=True) if total is None else total.add_(staged)
+                    total = c.staged.to(torch.float32, copy=True) if total is None else total.add_(c.staged)
             grads.append(total)
         if held is not None:
             self.backlog.release(held)  # on the host now: the device bytes go back

@@ -23,6 +23,7 @@ from megatrain.models import Llama
 from megatrain.optim import engine
 from megatrain.runtime.deadlines import Deadlines
 from megatrain.runtime.grad_backlog import GradBacklog
+from megatrain.runtime.grad_copies import GradCopy
 from megatrain.runtime.grad_slabs import GradSlabs
 from megatrain.runtime.pool import DevicePool, Reserve
 
@@ -50,7 +51,7 @@ def test_backlog_holds_snapshots_within_the_reserve():
     assert backlog.open(1, 200) and pool.live == 600 + 256 and reserve.live == 256
     assert not backlog.open(2, 64), "the reserve is shared: 256 + 64 > 300"
     g1, g2 = torch.randn(3, 5), torch.randn(7)
-    e1, e2 = [None] * 4, [None] * 4
+    e1, e2 = GradCopy(), GradCopy()
     v1 = backlog.hold(1, g1, e1, torch.float32)
     v2 = backlog.hold(1, g2, e2, torch.float32)
     g1.zero_()  # the runtime reuses the gradient's memory right after the hand-off

@@ -61,11 +61,13 @@ class Options:
         choose per region (megatrain.compiler.update_sites), "host" keeps every update on
         the host, "device" runs every region's update on the compute device where its
         buffers fit the memory the plan leaves free. `megatrain.explain(...)` shows the
-        choice (GraphPlan.update_sites). Default "host" until "auto" is measured on the
-        GPU. Its cost model (megatrain.optim.device_update.update_site) counts both
-        resources a device update loads, the link (12 B/param each way) and host memory
-        (its 24 B/param of DMA), against the host update's 28 B/param plus the gradient's
-        copy; host memory is what bounds the step at 1.3B (bench/results/NOTES.md).
+        choice (GraphPlan.update_sites). Default "host": on the H200 "auto" was 10% faster
+        at 8 layers of the 1.3B width (bench/results/NOTES.md, session 11), and no faster
+        than "host" runs there at full depth (0.595 s, session 13). Its cost model
+        (megatrain.optim.device_update.update_site) counts both resources a device update
+        loads, the link (12 B/param each way) and host memory (its 24 B/param of DMA),
+        against the host update's 28 B/param plus the gradient's copy; host memory is what
+        bounds the step at 1.3B (bench/results/NOTES.md).
         "resident" first keeps the AdamW state (fp32 master, m, v: 12 B/param) of as many
         regions as that free memory holds on the device for good, the regions the next
         forward needs first, then places the rest like "auto": those regions cost no
@@ -93,10 +95,12 @@ class Options:
         (within the memory the plan leaves free; beyond it backward waits for a slab) and
         the slabs stay two (megatrain.runtime.grad_backlog). Same results, bitwise; where
         the optimizer needs every gradient first (clipping, the non-finite check,
-        accumulate()) backward's end waits as with None. Default None until measured:
-        "device" made the step 55% slower on the H200 at 1.3B/16k (0.929 s against 0.601;
-        the host's update time nearly doubled, cause unknown; bench/results/NOTES.md,
-        session 11); "host" is not measured on the GPU yet.
+        accumulate()) backward's end waits as with None. Default None: "device" made the
+        step 55% slower on the H200 at 1.3B/16k (0.929 s against 0.601; the host's update
+        time nearly doubled, cause unknown; bench/results/NOTES.md, session 11); "host"
+        made it 12% faster on an H100 host at 3B/16k with updates="resident" (0.867 s
+        against 0.982, one run, session 19), and becomes the default once a same-run A/B
+        at 1.3B agrees.
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The

@@ -15,7 +15,16 @@ tokens, 12 GiB it gives the 8.969 GiB predicted peak the H200's bench rows recor
 region's AdamW update runs, within the reserve the plan leaves: a megatrain.AdamW owns the
 parameters (its state is created at the first step, so none is allocated here). 3B/16k at
 20 GiB with the fused loss: 9 of 30 regions resident, 1.0 G of 3.37 G parameters, in 18 s
-and 0.6 GB of RSS (the uninitialised parameters are never touched).
+and 0.6 GB of RSS (the uninitialised parameters are never touched). It also prints the
+step predicted with every update on the host (what the planner chose by) and with those
+sites (what `megatrain.explain(...).predicted_step_s` reports).
+
+`--rates` plans with a GPU run's rates instead of this machine's: a train.jsonl row (its
+`planned_rates`) or a Rates JSON object, inline or in a file, so a GPU row's prediction
+can be reproduced, or re-made with another cost model, on the CPU:
+
+    python bench/plan_preview.py --model 3b --tokens 16384 --gpu-memory 20GiB \
+        --kernels linear_cross_entropy --updates resident --rates row.json
 """
 
 from __future__ import annotations
@@ -48,6 +57,19 @@ class UpdateSites:
     sites: dict[int, str]  # region -> "host", "device" or "resident"
     numel: dict[int, int]  # region -> parameters
     reserve: int  # bytes: gpu_memory - the predicted peak - the weight path's cast staging
+    pids: dict[int, tuple[int, ...]]  # region -> its parameter ids (the planner's weight ids)
+
+    def predicted(self, schedule):
+        """The plan's schedule timed with these sites, as GraphPlan.predicted_schedule does
+        at run time (resident regions move nothing, device sites leave the host)."""
+        from megatrain.compiler import planner
+
+        planned = schedule.plan.schedule
+        by_weight = {pid: s for r, s in self.sites.items() if s != "host" for pid in self.pids[r]}
+        if not by_weight:
+            return planned
+        return planner.simulate(planner.with_update_sites(planned.problem, by_weight), planned.config,
+                                schedule.rates, planned.steps)
 
     def summary(self) -> str:
         total = sum(self.numel.values())
@@ -61,15 +83,18 @@ class UpdateSites:
 
 
 @contextlib.contextmanager
-def _stop_after_planning(sites: bool = False):
+def _stop_after_planning(sites: bool = False, rates=None):
     """The backend's schedule_step, planning as on CUDA with Inductor, then stopping; with
     `sites`, stopping after the update sites are chosen instead (the backend's own choice,
-    made once the plan exists and the backward's gradient hand-offs are known)."""
+    made once the plan exists and the backward's gradient hand-offs are known). `rates`:
+    plan with these instead of this machine's (a GPU run's `planned_rates`)."""
     import megatrain.compiler.backend as backend
+    from megatrain.compiler import schedule as schedule_mod
     from megatrain.compiler import update_sites
     from megatrain.runtime import streamer as streamer_mod
 
     real, real_choose = backend.schedule_step, update_sites.choose_sites
+    real_rates = schedule_mod.compile_rates
     real_staging = streamer_mod.Streamer.cast_staging_bytes
     planned = []
 
@@ -92,19 +117,24 @@ def _stop_after_planning(sites: bool = False):
     def choose_spy(mode, regions, params, rates, **kwargs):
         chosen = real_choose(mode, regions, params, rates, **kwargs)
         numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
-        raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"]))
+        pids = {g.region: tuple(g.pids) for g in regions}
+        raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"], pids))
 
     backend.schedule_step, update_sites.choose_sites = spy, choose_spy
     streamer_mod.Streamer.cast_staging_bytes = staging_as_on_cuda
+    if rates is not None:
+        schedule_mod.compile_rates = lambda device: rates
     try:
         yield
     finally:
         backend.schedule_step, update_sites.choose_sites = real, real_choose
         streamer_mod.Streamer.cast_staging_bytes = real_staging
+        schedule_mod.compile_rates = real_rates
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
-            keep_weights: bool = False, kernels: str | None = None, updates: str | None = None):
+            keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
+            rates=None):
     """(StepSchedule, None, UpdateSites or None), or (None, the planner's error, None).
     With `updates`, a megatrain.AdamW owns the parameters (update sites are chosen only for
     the gradients handed to it), and the preview stops once the backend chose them."""
@@ -124,7 +154,7 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
         "keep_weights": keep_weights, **({"kernels": kernels.split(",")} if kernels else {}),
         **({"updates": updates} if updates else {})})
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
-    with _stop_after_planning(sites=bool(updates)):
+    with _stop_after_planning(sites=bool(updates), rates=rates):
         try:
             step(ids, labels=ids)
         except Exception as e:
@@ -152,9 +182,13 @@ def main(argv=None) -> int:
     p.add_argument("--updates", default=None, choices=["auto", "host", "device", "resident"],
                    help="also choose where each region's megatrain.AdamW update runs, as the "
                         "compile does (resident: the regions whose state the reserve holds)")
+    p.add_argument("--rates", default=None,
+                   help="plan with these rates instead of this machine's: a JSON object of "
+                        "megatrain.compiler.costs.Rates, or a bench/results/train.jsonl row "
+                        "(its planned_rates), inline or in a file")
     args = p.parse_args(argv)
     schedule, error, sites = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
-                                     args.keep_weights, args.kernels, args.updates)
+                                     args.keep_weights, args.kernels, args.updates, _rates(args.rates))
     if error is not None:
         print(f"no plan: {error}")
         if not args.kernels:
@@ -165,10 +199,26 @@ def main(argv=None) -> int:
     print(f"{args.model} layers={args.layers or 'preset'} tokens={args.tokens} gpu_memory={args.gpu_memory}: "
           f"predicted peak {plan.peak_bytes / 2**30:.3f} GiB, {plan.config}")
     print(f"  at the peak: {peak_contents(plan)}")
+    print(f"  predicted step {plan.step_time:.3f} s with every update on the host "
+          f"(rates: {schedule.rates.device})")
     if sites is not None:
         print(f"  updates={args.updates!r} at compile time: {sites.summary()} (a resident step later "
               "grows the reserve from the measured peak)")
+        print(f"  predicted step {sites.predicted(schedule).step_time:.3f} s with those sites")
     return 0
+
+
+def _rates(arg: str | None):
+    """Rates from --rates: inline JSON or a file, a Rates object or a row holding one."""
+    import json
+
+    from megatrain.compiler.costs import Rates
+
+    if arg is None:
+        return None
+    text = Path(arg).read_text() if not arg.lstrip().startswith("{") else arg
+    data = json.loads(text)
+    return Rates.from_json(data.get("planned_rates") or data)
 
 
 def peak_contents(plan) -> str:

@@ -567,7 +567,8 @@ def _megatrain_stats(step_fn) -> dict:
     plan = megatrain.explain(step_fn)
     streamers = _streamers(plan)
     stats = [s.last_stats for s in streamers if s.last_stats is not None]
-    schedules = [g.schedule.plan.schedule for g in plan.graphs if g.schedule is not None]
+    # as the runtime runs them: with the update sites in effect (resident regions move nothing)
+    schedules = [g.predicted_schedule for g in plan.graphs if g.schedule is not None]
 
     def per_step(stream: str) -> float:  # the cost model's busy seconds of one stream
         return sum(sum(s.end[t] - s.start[t] for t in s.streams[stream]) / s.steps for s in schedules)
@@ -803,7 +804,7 @@ def run_system(args) -> dict:
             import pickle
 
             (Path(args.profile) / f"schedules_{args.model}_L{layers}_{args.tokens}.pkl").write_bytes(pickle.dumps(
-                [(g.schedule.plan.schedule.problem, g.schedule.plan.schedule.config, g.schedule.rates)
+                [(g.predicted_schedule.problem, g.predicted_schedule.config, g.schedule.rates)
                  for g in plan.graphs if g.schedule is not None]))
     step = statistics.median(times[args.warmup:]) if len(times) > args.warmup else times[-1]
     timed = phases[args.warmup:] or phases[-1:]

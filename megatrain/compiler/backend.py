@@ -121,6 +121,7 @@ def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -
         opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
         streamed_params=update_sites.backward_streamed_params(problem, itemsize))
     plan.update_sites, plan.update_reserve = sites, reserve
+    plan.update_params = {g.region: tuple(g.pids) for g in regions}
     # Every region that may become resident, in the order the runtime acquires their bytes:
     # now the ones update_sites chose, more once measured steps let the reserve grow.
     resident = {g.region: list(g.pids) for g in reversed(regions)

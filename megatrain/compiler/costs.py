@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 # writes param, m, v (7 x fp32); accumulating a gradient reads two fp32 and writes one.
 ADAMW_BYTES_PER_PARAM = 28
 ACCUMULATE_BYTES_PER_PARAM = 12
+# An update on the device moves its state (fp32 master, m and v) over PCIe, each way.
+DEVICE_LINK_BYTES = 12
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,14 @@ class GraphPlan:
     # bytes the plan leaves free, within which device updates in flight are held.
     update_sites: dict[int, str] = field(default_factory=dict)
     update_reserve: int = 0
+    # region -> the parameter ids whose gradients it hands to megatrain.AdamW: the planner
+    # weights a site takes off the host (their ids are the parameters').
+    update_params: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The kernel patterns swapped into this graph (fusions.PATTERNS names), and why, in words,
     # when megatrain chose them itself (the fused loss applied because the budget needed it).
     kernels: tuple[str, ...] = ()
     note: str = ""
+    _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property
     def code(self) -> str:
@@ -49,8 +53,42 @@ class GraphPlan:
 
     @property
     def predicted_step_s(self) -> float | None:
-        """Seconds per step the cost model predicts for this graph's schedule."""
-        return self.schedule.plan.step_time if self.schedule is not None else None
+        """Seconds per step the cost model predicts for this graph's schedule, with the
+        update sites in effect (predicted_schedule)."""
+        sched = self.predicted_schedule
+        return sched.step_time if sched is not None else None
+
+    def sites_now(self) -> dict[int, str]:
+        """`update_sites` as the runtime has them now: with updates="resident" the regions
+        resident at this moment (the set grows once a measured step shows room, and
+        shrinks as regions are sent home), whatever the compile chose for them."""
+        live = getattr(getattr(self.streamer, "resident", None), "regions", None)
+        if live is None:
+            return dict(self.update_sites)
+        return {r: "resident" if r in live else ("host" if s == "resident" else s)
+                for r, s in self.update_sites.items()}
+
+    @property
+    def predicted_schedule(self):
+        """The planner's chosen schedule as the runtime runs it: simulated again with the
+        update sites in effect (planner.with_update_sites: a resident region moves no
+        bytes and leaves the host no update, a device site leaves the host no update), or
+        the planner's own schedule, which counts every update on the host, when all are
+        there. The planner picks its configuration before the sites exist; they change
+        the step's time, never its device memory."""
+        if self.schedule is None:
+            return None
+        planned = self.schedule.plan.schedule
+        by_weight = {pid: site for r, site in self.sites_now().items() if site != "host"
+                     for pid in self.update_params.get(r, ())}
+        if not by_weight:
+            return planned
+        key = tuple(sorted(by_weight.items()))
+        if self._sited is None or self._sited[0] != key:
+            from .planner import simulate, with_update_sites
+            problem = with_update_sites(planned.problem, by_weight)
+            self._sited = (key, simulate(problem, planned.config, self.schedule.rates, planned.steps))
+        return self._sited[1]
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -127,7 +165,7 @@ class Plan:
             if g.schedule is None:
                 continue
             name = f"graph {i}: {g.schedule.rates.device}"
-            traces.append(timeline_mod.chrome_trace(g.schedule.plan.schedule, pid=2 * i + 1,
+            traces.append(timeline_mod.chrome_trace(g.predicted_schedule, pid=2 * i + 1,
                                                     process=f"megatrain predicted ({name})"))
             records = g.measured_records
             if records:

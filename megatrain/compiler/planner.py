@@ -200,6 +200,31 @@ class Problem:
         return replace(self, regions=regions, base_bytes=ev(self.base_bytes, "base_bytes"))
 
 
+def with_update_sites(problem: Problem, sites: Mapping[int, str]) -> Problem:
+    """`problem` as the runtime runs it once some weights' AdamW updates leave the host.
+    `sites` maps weight ids (a parameter's first fetch) to "resident" or "device"
+    (compiler/update_sites.py chooses them after planning, so the search never sees them):
+
+    - "resident": master, m and v live on the device, so its fetches, its gradient's copy
+      and its update move nothing over the link or through host memory;
+    - "device": no host update; the state crosses the link, 12 B/param each way, charged
+      to the gradient's copy (an upper bound: the runtime overlaps the two directions).
+
+    Device bytes do not change (a site's buffers live in the reserve beside the plan's
+    peak), so the chosen schedule stays valid under them; only its timeline moves."""
+    weights = []
+    for w in problem.weights:
+        site = sites.get(w.id)
+        if site == "resident":
+            w = replace(w, numel=0, link_nbytes=0, grad_link_nbytes=0)
+        elif site == "device":
+            w = replace(w, numel=0, grad_link_nbytes=2 * costs.DEVICE_LINK_BYTES * w.numel)
+        elif site not in (None, "host"):
+            raise ValueError(f"update site {site!r} of weight {w.id}: expected 'host', 'device' or 'resident'")
+        weights.append(w)
+    return replace(problem, weights=tuple(weights))
+
+
 def _env(dims: Mapping | None, symbols) -> dict:
     """{symbol: value} from keys that are symbols or symbol names (matched by name, so a
     name finds a symbol declared with assumptions)."""

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from megatrain.compiler.costs import ADAMW_BYTES_PER_PARAM, host_bandwidth
+from megatrain.compiler.costs import ADAMW_BYTES_PER_PARAM, DEVICE_LINK_BYTES, host_bandwidth
 from megatrain.optim import checks, functional
 from megatrain.runtime.host_store import host_zeros, is_page_locked, page_locked
 from megatrain.runtime.layout import FlatLayout
@@ -67,9 +67,8 @@ Site = Literal["host", "device"]
 # Host memory bytes per parameter of the host update (fused AdamW: 7 x fp32), and the
 # bandwidth the probe's AdamW reached: the planner's cost model, one definition for both.
 HOST_UPDATE_BYTES = ADAMW_BYTES_PER_PARAM
-# The device update moves master, m and v (fp32) each way over PCIe ...
-DEVICE_LINK_BYTES = 12
-# ... and the DMA engines read those 12 bytes from host memory and write 12 back: host
+# The device update moves master, m and v (fp32) each way over PCIe (DEVICE_LINK_BYTES,
+# costs.py) and the DMA engines read those 12 bytes from host memory and write 12 back: host
 # memory traffic too, charged at the same bandwidth (a conservative assumption: DRAM may
 # serve DMA beyond what 16 cores reach, which would only favour the device).
 DEVICE_HOST_BYTES = 24

@@ -36,3 +36,21 @@ def test_preview_shows_which_regions_the_reserve_makes_resident():
     assert min(half.sites) in resident
     assert 12 * sum(half.numel[r] for r in resident) <= half.reserve
     assert f"resident {len(resident)} regions" in half.summary(), half.summary()
+
+
+def test_preview_plans_with_a_gpu_runs_rates_and_times_the_sites():
+    """--rates: the plan as a GPU run's rates make it (a row's planned_rates); with update
+    sites the step is timed as the runtime runs it: all resident, no host updates left."""
+    from megatrain.compiler.costs import H200
+
+    schedule, error, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB",
+                                     updates="resident", rates=H200)
+    assert error is None and schedule.rates == H200
+    slow = H200.scaled(host=0.01)  # every update on the host bounds the step
+    schedule_slow, _, sites_slow = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB",
+                                           updates="resident", rates=slow)
+    assert schedule_slow.rates == slow and sites_slow.sites == sites.sites
+    sited = sites_slow.predicted(schedule_slow)
+    assert sited.peak_bytes == schedule_slow.plan.peak_bytes
+    assert sum(sited.end[t] - sited.start[t] for t in sited.streams["host"]) == 0
+    assert sited.step_time < schedule_slow.plan.step_time

@@ -16,7 +16,7 @@ import sympy
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from megatrain.compiler.costs import H200, Rates
+from megatrain.compiler.costs import H200, Rates, link_rates
 from megatrain.compiler.planner import (
     InfeasibleBudget,
     PlanConfig,
@@ -27,6 +27,7 @@ from megatrain.compiler.planner import (
     largest_fitting,
     plan_step,
     simulate,
+    with_update_sites,
 )
 from megatrain.compiler.validate import ScheduleInvalid, min_budget, validate, violations
 from megatrain.errors import MegatrainValueError
@@ -353,6 +354,42 @@ def test_copies_are_charged_link_bytes_and_host_memory():
     owner_of_0 = 0  # last in backward among its readers
     assert seconds("host_step", 1) == pytest.approx((28 + 2 * 4 + 4) * numel / host_bandwidth)
     assert seconds("host_step", owner_of_0) == pytest.approx((28 + fetches * 4 + 4) * numel / host_bandwidth)
+
+
+def test_update_sites_take_their_weights_off_the_link_and_the_host():
+    """Once update_sites has moved some updates off the host, the same schedule is timed as
+    the runtime runs it: a resident weight's fetches, gradient copy and update take no
+    time; a device site leaves no host update and sends its state both ways (24 B/param)
+    with the gradient's copy. Nothing else moves, the peak included."""
+    numel = random.randint(10**6, 10**7)
+    w = [Weight(i, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel) for i in range(3)]
+    regions = [RegionSpec(i, (i,), (i - 1,) if i else (), 10, 1, 1, 10**9) for i in range(3)]
+    problem = Problem(tuple(regions), tuple(w))
+    cfg = PlanConfig(2, None, 0, 1)
+    slow_host = H200.scaled(host=0.05)  # the host's updates bound the step
+    planned = simulate(problem, cfg, slow_host, steps=2)
+    sited = simulate(with_update_sites(problem, {0: "resident", 1: "device"}), cfg, slow_host, steps=2)
+
+    def seconds(s, kind, region, phase):
+        ts = [t for t in s.graph if t.kind == kind and t.region == region and t.phase == phase]
+        assert ts, (kind, region, phase)
+        return sum(s.end[t] - s.start[t] for t in ts)
+
+    for phase in ("fw", "bw"):
+        assert seconds(sited, "h2d", 0, phase) == 0 < seconds(planned, "h2d", 0, phase)
+        assert seconds(sited, "h2d", 1, phase) == pytest.approx(seconds(planned, "h2d", 1, phase))
+    assert seconds(sited, "d2h", 0, "bw") == 0
+    shared = link_rates(H200, True, True).d2h  # the backward fetches while gradients leave
+    assert seconds(sited, "d2h", 1, "bw") == pytest.approx(2 * 24 * numel / shared)  # two steps
+    assert seconds(sited, "d2h", 2, "bw") == pytest.approx(seconds(planned, "d2h", 2, "bw"))
+    assert seconds(sited, "host_step", 0, "host") == seconds(sited, "host_step", 1, "host") == 0
+    assert seconds(sited, "host_step", 2, "host") == pytest.approx(seconds(planned, "host_step", 2, "host"))
+    assert seconds(planned, "host_step", 2, "host") > 0
+    assert sited.peak_bytes == planned.peak_bytes and sited.config == planned.config
+    assert sited.step_time < planned.step_time
+    assert with_update_sites(problem, {0: "host"}) == problem
+    with pytest.raises(ValueError, match="'gpu'"):
+        with_update_sites(problem, {0: "gpu"})
 
 
 def test_validator_catches_broken_schedules():

@@ -106,6 +106,30 @@ def test_resident_trains_bitwise_like_host_and_like_eager(tied, precision):
     assert res["plan"].streamer.last_stats.fetch_paths["resident"] > 0
 
 
+def test_the_predicted_step_leaves_resident_regions_off_the_host():
+    """explain's predicted step is the plan as the runtime runs it: the planner chose its
+    schedule counting every update on the host; resident regions then fetch, copy and
+    update nothing over the link or on the host. Same schedule, same peak, less time."""
+    torch.manual_seed(8)
+    model = llama(layers=3)
+    batches = random_batches(VOCAB, 1, batch=2, seq=16)
+    host, res = (train(model, updates, batches)["plan"] for updates in ("host", "resident"))
+    assert host.predicted_schedule is host.schedule.plan.schedule
+    planned, sited = res.schedule.plan.schedule, res.predicted_schedule
+    assert planned.config == host.schedule.plan.config and planned.step_time == pytest.approx(
+        host.predicted_step_s)
+    assert sited.config == planned.config and sited.peak_bytes == planned.peak_bytes
+    resident_weights = {pid for r, s in res.update_sites.items() if s == "resident" for pid in res.update_params[r]}
+    assert resident_weights and all(w.numel == 0 and w.link_nbytes == 0 for w in sited.problem.weights
+                                    if w.id in resident_weights)
+
+    def busy(s, stream):
+        return sum(s.end[t] - s.start[t] for t in s.streams[stream])
+
+    assert busy(sited, "h2d") < busy(planned, "h2d") and busy(sited, "host") < busy(planned, "host")
+    assert res.predicted_step_s == sited.step_time < planned.step_time
+
+
 def test_host_copies_are_stale_until_synchronize():
     """The device copies are the ones training: before synchronize() the host parameters
     still hold their initial values; after it they and the state_dict are the host path's."""
@@ -280,8 +304,11 @@ def test_another_graph_placing_resident_regions_sends_the_first_home():
     opt_b = megatrain.AdamW(b.parameters(), lr=3e-3)
     step_b = torch.compile(b, backend="megatrain", options={
         "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": "resident"})
+    graph_a = megatrain.explain(step_a).graphs[0]
+    assert graph_a.predicted_schedule is not graph_a.schedule.plan.schedule
     run(step_b, opt_b, batches[:1])
     assert not resident_a.regions and resident_a.reserve.live == 0
+    assert graph_a.predicted_schedule is graph_a.schedule.plan.schedule  # all updates home
     assert not any(opt_a.is_resident(p) for p in a.parameters())
     run(step_a, opt_a, batches[1:])
     opt_a.synchronize()
@@ -301,14 +328,19 @@ def test_a_measured_step_lets_more_regions_become_resident():
     opt, step = compiled(streamed, "resident", prefetch=0,
                          gpu_memory=roomy.predicted_peak_bytes + scratch + least + least // 2)
     run(step, opt, batches[:1])
-    streamer = megatrain.explain(step).graphs[0].streamer
+    graph = megatrain.explain(step).graphs[0]
+    streamer = graph.streamer
     before, reserve = set(streamer.resident.regions), streamer.reserve.nbytes
     assert len(before) == 1
+    predicted_before = graph.predicted_step_s
     streamer.grow_reserve(measured_peak=0)  # as if the step had needed nothing beside it
     assert streamer.reserve.nbytes > reserve
     assert before < set(streamer.resident.regions) <= set(streamer.resident.candidates)
     live = megatrain.explain(step).graphs[0].resident_regions
     assert live == dict.fromkeys(streamer.resident.regions, "resident")
+    # explain's prediction follows the regions resident now, not the compile's choice
+    assert set(r for r, s in graph.sites_now().items() if s == "resident") == set(streamer.resident.regions)
+    assert graph.predicted_step_s < predicted_before
     assert streamer.reserve.live <= streamer.reserve.nbytes
     run(step, opt, batches[1:])
     assert all(opt.is_resident(params_of) for r in streamer.resident.regions

@@ -108,6 +108,17 @@ def test_device_and_host_updates_train_bitwise_alike_and_like_eager(tied):
                   for r in plan.regions if sites.get(r.id) == "device")
     assert largest <= plan.measured_peak_bytes <= plan.budget
     assert plan.update_reserve == plan.budget - plan.predicted_peak_bytes
+    # explain's predicted step leaves the device sites' updates off the host, and sends
+    # their state both ways over the link instead of their gradients one way
+    planned, sited = plan.schedule.plan.schedule, plan.predicted_schedule
+    host_params = {pid for r, s in sites.items() if s == "host" for pid in plan.update_params[r]}
+    device_params = {pid for r, s in sites.items() if s == "device" for pid in plan.update_params[r]}
+    numel = {w.id: w.numel for w in planned.problem.weights}
+    moved = [w for w in sited.problem.weights if w.id in device_params]
+    assert moved and all(w.numel == 0 < numel[w.id] and w.grad_link_nbytes == 24 * numel[w.id] for w in moved)
+    assert [w for w in sited.problem.weights if w.id in host_params] == [
+        w for w in planned.problem.weights if w.id in host_params]
+    assert sited.config == planned.config and sited.peak_bytes == planned.peak_bytes
 
 
 def test_auto_places_regions_as_assign_sites_says(monkeypatch):

@@ -60,16 +60,11 @@ class UpdateSites:
     pids: dict[int, tuple[int, ...]]  # region -> its parameter ids (the planner's weight ids)
 
     def predicted(self, schedule):
-        """The plan's schedule timed with these sites, as GraphPlan.predicted_schedule does
-        at run time (resident regions move nothing, device sites leave the host)."""
-        from megatrain.compiler import planner
+        """The plan's schedule timed with these sites, as explain's predicted step is
+        (resident regions move nothing, device sites leave the host)."""
+        from megatrain.compiler.update_sites import timed_with_sites
 
-        planned = schedule.plan.schedule
-        by_weight = {pid: s for r, s in self.sites.items() if s != "host" for pid in self.pids[r]}
-        if not by_weight:
-            return planned
-        return planner.simulate(planner.with_update_sites(planned.problem, by_weight), planned.config,
-                                schedule.rates, planned.steps)
+        return timed_with_sites(schedule.plan.schedule, schedule.rates, self.sites, self.pids)
 
     def summary(self) -> str:
         total = sum(self.numel.values())

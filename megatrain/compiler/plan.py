@@ -78,16 +78,12 @@ class GraphPlan:
         the step's time, never its device memory."""
         if self.schedule is None:
             return None
-        planned = self.schedule.plan.schedule
-        by_weight = {pid: site for r, site in self.sites_now().items() if site != "host"
-                     for pid in self.update_params.get(r, ())}
-        if not by_weight:
-            return planned
-        key = tuple(sorted(by_weight.items()))
+        sites = self.sites_now()
+        key = tuple(sorted(sites.items()))
         if self._sited is None or self._sited[0] != key:
-            from .planner import simulate, with_update_sites
-            problem = with_update_sites(planned.problem, by_weight)
-            self._sited = (key, simulate(problem, planned.config, self.schedule.rates, planned.steps))
+            from .update_sites import timed_with_sites
+            self._sited = (key, timed_with_sites(self.schedule.plan.schedule, self.schedule.rates,
+                                                 sites, self.update_params))
         return self._sited[1]
 
     @property

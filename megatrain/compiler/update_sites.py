@@ -45,7 +45,7 @@ region takes the host path for that step rather than exceed ``gpu_memory``.)
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,7 @@ import torch
 from ..optim import device_update as du
 from ..optim import resident
 from .costs import Rates
-from .planner import Problem
+from .planner import Problem, Schedule, simulate, with_update_sites
 
 UPDATES = ("auto", "host", "device", "resident")
 
@@ -144,3 +144,16 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
             chosen.append(g.region)
             left -= nbytes
     return chosen, (left if chosen else reserve)
+
+
+def timed_with_sites(planned: Schedule, rates: Rates, sites: Mapping[int, str],
+                     pids: Mapping[int, Sequence[int]]) -> Schedule:
+    """`planned`, the planner's schedule (every update on the host when it was chosen),
+    timed as the runtime runs it with `sites` (region -> "host" | "device" | "resident",
+    `pids`: region -> its parameter ids, which are the planner's weight ids):
+    planner.with_update_sites over the same configuration, so the same peak; `planned`
+    itself when every update is on the host."""
+    by_weight = {pid: site for r, site in sites.items() if site != "host" for pid in pids.get(r, ())}
+    if not by_weight:
+        return planned
+    return simulate(with_update_sites(planned.problem, by_weight), planned.config, rates, planned.steps)

@@ -58,13 +58,25 @@ class UpdateSites:
     numel: dict[int, int]  # region -> parameters
     reserve: int  # bytes: gpu_memory - the predicted peak - the weight path's cast staging
     pids: dict[int, tuple[int, ...]]  # region -> its parameter ids (the planner's weight ids)
+    # the regions that may become resident, in the order the runtime acquires them (the end
+    # of the backward first; a region with a tied weight's pieces never)
+    acquiring: tuple[int, ...] = ()
 
-    def predicted(self, schedule):
-        """The plan's schedule timed with these sites, as explain's predicted step is
-        (resident regions move nothing, device sites leave the host)."""
+    def with_resident(self, count: int) -> dict[int, str]:
+        """The sites once ``count`` regions are resident (a measured step grows the set):
+        the first ``count`` in acquiring order, the others where the compile put them (on
+        the host if that was "resident"). The runtime skips a region that does not fit and
+        takes the next, so where region sizes differ this is an approximation."""
+        live = set(self.acquiring[:count])
+        return {r: "resident" if r in live else ("host" if s == "resident" else s) for r, s in self.sites.items()}
+
+    def predicted(self, schedule, sites: dict[int, str] | None = None):
+        """The plan's schedule timed with these sites (or ``sites``), as explain's
+        predicted step is (resident regions move nothing, device sites leave the host)."""
         from megatrain.compiler.update_sites import timed_with_sites
 
-        return timed_with_sites(schedule.plan.schedule, schedule.rates, self.sites, self.pids)
+        return timed_with_sites(schedule.plan.schedule, schedule.rates, self.sites if sites is None else sites,
+                                self.pids)
 
     def summary(self) -> str:
         total = sum(self.numel.values())
@@ -113,7 +125,8 @@ def _stop_after_planning(sites: bool = False, rates=None):
         chosen = real_choose(mode, regions, params, rates, **kwargs)
         numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
         pids = {g.region: tuple(g.pids) for g in regions}
-        raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"], pids))
+        acquiring = tuple(g.region for g in reversed(regions) if not g.shared)
+        raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"], pids, acquiring))
 
     backend.schedule_step, update_sites.choose_sites = spy, choose_spy
     streamer_mod.Streamer.cast_staging_bytes = staging_as_on_cuda

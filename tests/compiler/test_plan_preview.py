@@ -54,3 +54,32 @@ def test_preview_plans_with_a_gpu_runs_rates_and_times_the_sites():
     assert sited.peak_bytes == schedule_slow.plan.peak_bytes
     assert sum(sited.end[t] - sited.start[t] for t in sited.streams["host"]) == 0
     assert sited.step_time < schedule_slow.plan.step_time
+
+
+def test_prediction_check_replans_a_recorded_row_with_its_rates(tmp_path, capsys):
+    """bench/prediction_check.py: a row's prediction is reproduced from its planned_rates
+    (the recorded one is what the bench stored), with its live resident count applied."""
+    import json
+
+    from megatrain.compiler.costs import H200
+
+    import prediction_check
+
+    slow = H200.scaled(host=0.01)
+    schedule, _, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB", updates="resident",
+                                 rates=slow)
+    assert len(sites.acquiring) >= 2
+    row = {"system": "megatrain", "model": "tiny", "layers": None, "tokens_per_step": 1024, "seq": 256,
+           "gpu_memory": "64MiB", "updates": "resident", "resident_regions": 1, "kernels": None,
+           "planned_rates": slow.to_json(), "step_s": 1.0, "predicted_step_s": schedule.plan.step_time,
+           "time": "2026-12-05T00:00:00"}
+    rows = tmp_path / "train.jsonl"
+    rows.write_text(json.dumps(row) + "\n" + json.dumps({**row, "system": "resident-compiled"}) + "\n")
+    assert [r["system"] for r in prediction_check.rows_to_check(rows, ["tiny"])] == ["megatrain"]
+    got = prediction_check.replan(row, {})
+    assert got["host"] == schedule.plan.step_time  # the recorded prediction, reproduced
+    one = sites.predicted(schedule, sites.with_resident(1)).step_time
+    assert got["sited"] == one and sites.predicted(schedule).step_time < one < got["host"]
+    assert prediction_check.main(["--rows", str(rows), "--model", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "1 rows" in out and "mean absolute error, sited" in out

@@ -99,8 +99,9 @@ class Options:
         step 55% slower on the H200 at 1.3B/16k (0.929 s against 0.601; the host's update
         time nearly doubled, cause unknown; bench/results/NOTES.md, session 11); "host"
         made it 12% faster on an H100 host at 3B/16k with updates="resident" (0.867 s
-        against 0.982, one run, session 19), and becomes the default once a same-run A/B
-        at 1.3B agrees.
+        against 0.982, session 19), where the host sets the pace, and changed nothing at
+        1.3B/16k and 14 GiB, where compute does (0.353 against 0.349 s, session 22): it
+        pays only where the host lags, and there its slabs take spare host RAM.
     offload: let the planner park boundary activations in host memory between the passes
         (copied out in the forward, back ahead of their first backward reader) where that
         is what fits gpu_memory, or is predicted faster; the longest-lived go first. The

@@ -67,8 +67,9 @@ class UpdateSites:
         the first ``count`` in acquiring order, the others where the compile put them (on
         the host if that was "resident"). The runtime skips a region that does not fit and
         takes the next, so where region sizes differ this is an approximation."""
-        live = set(self.acquiring[:count])
-        return {r: "resident" if r in live else ("host" if s == "resident" else s) for r, s in self.sites.items()}
+        from megatrain.compiler.update_sites import with_live_resident
+
+        return with_live_resident(self.sites, set(self.acquiring[:count]))
 
     def predicted(self, schedule, sites: dict[int, str] | None = None):
         """The plan's schedule timed with these sites (or ``sites``), as explain's

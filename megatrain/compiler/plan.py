@@ -65,8 +65,8 @@ class GraphPlan:
         live = getattr(getattr(self.streamer, "resident", None), "regions", None)
         if live is None:
             return dict(self.update_sites)
-        return {r: "resident" if r in live else ("host" if s == "resident" else s)
-                for r, s in self.update_sites.items()}
+        from .update_sites import with_live_resident
+        return with_live_resident(self.update_sites, live)
 
     @property
     def predicted_schedule(self):

@@ -146,6 +146,13 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
     return chosen, (left if chosen else reserve)
 
 
+def with_live_resident(sites: Mapping[int, str], live) -> dict[int, str]:
+    """`sites` (the compile's choice) with the regions in `live` resident and any other the
+    compile made resident back on the host: the runtime's resident set grows once a
+    measured step shows room and shrinks as regions are sent home."""
+    return {r: "resident" if r in live else ("host" if s == "resident" else s) for r, s in sites.items()}
+
+
 def timed_with_sites(planned: Schedule, rates: Rates, sites: Mapping[int, str],
                      pids: Mapping[int, Sequence[int]]) -> Schedule:
     """`planned`, the planner's schedule (every update on the host when it was chosen),

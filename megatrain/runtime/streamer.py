@@ -47,6 +47,7 @@ from .grad_slabs import GradSlabs
 from .host_store import (host_views, is_page_locked, release_cached_pinned_blocks,
                          release_unused_pinned_blocks)
 from .layout import FlatLayout, contiguous_spans
+from .. import config
 from ..errors import UnsupportedError, format_bytes
 from ..optim import device_update
 from ..optim.registry import owner_of, sole_owner
@@ -102,9 +103,23 @@ def get(index: int) -> "Streamer":
 
 @dataclass
 class _Inflight:
+    """A region's weight buffer on its way to the device, and what it was fetched from:
+    the very host parameters and their `_version` counters at the copy. Dynamo may call one
+    graph for several modules (a graph break inside a layer), so a region index alone does
+    not say whose weights a buffer holds; `holds` does."""
+
     flat: torch.Tensor
     nbytes: int
+    params: list[torch.Tensor]
+    versions: list[int]
     done: object = None  # torch.cuda.Event, or a Future resolving to one
+    from_device_masters: bool = False  # a resident region: its host masters may be stale
+
+    def holds(self, host_params: list[torch.Tensor]) -> bool:
+        """The buffer was fetched from exactly these parameters, none written since."""
+        return len(self.params) == len(host_params) \
+            and all(a is b for a, b in zip(self.params, host_params)) \
+            and self.versions == [p._version for p in host_params]
 
 
 @dataclass
@@ -128,6 +143,7 @@ class StepStats:
     regions_fetched: list = field(default_factory=list)
     kept_hits: int = 0  # backward regions that took their forward's kept weights (claim)
     early_hits: int = 0  # first regions found already fetched by the graph before
+    early_misses: int = 0  # ... fetched for other parameters (or since written): fetched again
     optimizer_wait_s: float = 0.0  # host time blocked before a fetch on a pending update
     slab_wait_s: float = 0.0  # host time blocked for a free gradient slab (optimizer behind)
     deferred_regions: int = 0  # sealed regions whose update backward's end deferred (backlog)
@@ -232,7 +248,12 @@ class Streamer:
         self.index = -1
         self._phase, self._awaiting_first = "forward", True
         self._first: dict[str, tuple[int, list[torch.Tensor]]] = {}
-        self._early: dict[int, tuple[_Inflight, list[int]]] = {}
+        self._early: dict[int, _Inflight] = {}
+        # The safety net (wait): the parameters each queued prefetch asked for, per region,
+        # and the regions' names for its error.
+        self._requested: dict[int, collections.deque[list[torch.Tensor]]] = collections.defaultdict(
+            collections.deque)
+        self.region_names: dict[int, str] = {}
         self._cast_chunk: torch.Tensor | None = None  # device fp32 staging (weight path)
         self._cast_chunk_refused = False
         self.weight_shadow = False  # option weight_shadow: fetch from AdamW's bf16 shadows
@@ -409,6 +430,7 @@ class Streamer:
 
     def prefetch(self, region: int, host_params: list[torch.Tensor]) -> None:
         self._host_params[region] = host_params
+        self._requested[region].append(host_params)
         if self._awaiting_first:
             self._first[self._phase] = (region, list(host_params))
             self._awaiting_first = False
@@ -419,12 +441,14 @@ class Streamer:
         self.stats.optimizer_wait_s += time.perf_counter() - t0
         early = self._early.pop(region, None)
         if early is not None:
-            entry, versions = early
-            if versions == [p._version for p in host_params]:
-                self._inflight[region].append(entry)
+            if early.holds(host_params):
+                self._inflight[region].append(early)
                 self.stats.early_hits += 1
                 return
-            self._discard(entry)  # an update landed after the early fetch: fetch afresh
+            # Another module's weights (dynamo reuses one graph for every layer a graph
+            # break splits), or an update landed after the early fetch: fetch afresh.
+            self.stats.early_misses += 1
+            self._discard(early)
         self._inflight[region].append(self._start_fetch(region, host_params))
 
     def prefetch_next(self, phase: str) -> None:
@@ -447,8 +471,7 @@ class Streamer:
         if live + nbytes > self.pool.budget:
             return
         self.wait_updates(host_params)
-        versions = [p._version for p in host_params]
-        self._early[region] = (self._start_fetch(region, host_params), versions)
+        self._early[region] = self._start_fetch(region, host_params)
 
     def _discard(self, entry: _Inflight) -> None:
         """Drop a fetched buffer nobody will use, once no copy writes into it any more."""
@@ -470,10 +493,11 @@ class Streamer:
         flat = torch.empty(lay.numel, dtype=self.compute_dtype, device=self.device)
         spans = contiguous_spans([p.detach() for p in host_params], lay)
         self.stats.regions_fetched.append(region)
-        entry = _Inflight(flat, nbytes)
+        entry = _Inflight(flat, nbytes, list(host_params), [p._version for p in host_params])
         resident = self.resident.sources(region, host_params) if self.resident is not None else None
         if resident is not None:
             self.stats.fetch_paths["resident"] += 1
+            entry.from_device_masters = True
             entry.done = self._copy_resident(flat, lay, resident)
             return entry
         _host_copies_current(host_params)
@@ -632,6 +656,7 @@ class Streamer:
         if not queue:
             raise RuntimeError(f"megatrain: wait for region {region} without a prefetch (schedule bug)")
         entry = queue.popleft()
+        self._check_fetched(region, entry, self._requested[region].popleft())
         assert entry.flat.numel() == numel, (entry.flat.numel(), numel)
         if self.cuda:
             done = entry.done
@@ -646,7 +671,35 @@ class Streamer:
             after.record(stream)
             self.stats.waits.append((region, before, after))
             self._computing[region] = after
+        if config.check_fetched_weights and not entry.from_device_masters:
+            self._compare_with_masters(region, entry)
         return entry.flat
+
+    def _check_fetched(self, region: int, entry: _Inflight, requested: list[torch.Tensor]) -> None:
+        """The always-on safety net: the buffer a region is about to compute with was fetched
+        from exactly the parameters its prefetch named, unchanged since the copy. A mismatch
+        is a runtime bug that would train silently with another layer's or stale weights."""
+        if entry.holds(requested):
+            return
+        name = self.region_names.get(region, f"region {region}")
+        same = len(entry.params) == len(requested) and all(a is b for a, b in zip(entry.params, requested))
+        why = ("its parameters were written after the copy (versions "
+               f"{entry.versions} at the copy, {[p._version for p in requested]} now)") if same else \
+            "the buffer holds other parameters (another module's weights)"
+        raise RuntimeError(f"megatrain: region {name!r} would compute with weights it was not "
+                           f"fetched for: {why}. This is a megatrain bug; please report it")
+
+    def _compare_with_masters(self, region: int, entry: _Inflight) -> None:
+        """megatrain.config.check_fetched_weights: every fetched weight equals its host
+        master cast to the compute dtype, bit for bit (after the compute stream's wait, so
+        the copy into the buffer is complete)."""
+        lay = self.layout([p.shape for p in entry.params])
+        for view, p in zip(lay.views(entry.flat.cpu()), entry.params):
+            if not torch.equal(view, p.detach().to(self.compute_dtype)):
+                raise RuntimeError(
+                    f"megatrain: region {self.region_names.get(region, region)!r}: a fetched weight of "
+                    f"shape {tuple(p.shape)} differs from its host master (megatrain.config."
+                    f"check_fetched_weights)")
 
     def evict(self, region: int, flat: torch.Tensor) -> None:
         self._release(flat)
@@ -676,7 +729,7 @@ class Streamer:
             self.stats.kept_hits += 1
             early = self._early.pop(region, None)  # fetched ahead when a fallback went first
             if early is not None:
-                self._discard(early[0])
+                self._discard(early)
             return
         if kept is not None:  # another module's weights
             self._release(kept[0])

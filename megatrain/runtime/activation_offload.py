@@ -37,6 +37,7 @@ class _Parked:
     done: object = None  # CUDA event of the copy in flight (either direction)
     tensor: torch.Tensor | None = None  # kept alive until the offload copy has read it
     emptied: bool = False
+    collected: weakref.finalize | None = None  # fires when the storage dies parked
 
 
 class ActivationStore:
@@ -70,12 +71,14 @@ class ActivationStore:
         with self._lock:
             self._free.setdefault(p.key, []).append(p.host)
 
-    def _collected(self, sid: int) -> None:
-        """The tensor died parked (no backward ran): its host buffer is free again."""
+    def _collected(self, sid: int, p: _Parked) -> None:
+        """The storage died parked (no backward ran): its host buffer is free again. Only
+        `p` itself is dropped: a later storage at the same address has its own entry."""
         with self._lock:
-            p = self._parked.pop(sid, None)
-        if p is not None:
-            self._give_back(p)
+            if self._parked.get(sid) is not p:
+                return
+            del self._parked[sid]
+        self._give_back(p)
 
     def offload(self, key: int, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -84,7 +87,11 @@ class ActivationStore:
         sid = _identity(t)
         with self._lock:
             self._parked[sid] = p
-        weakref.finalize(t, self._collected, sid)
+        # The parked bytes live as long as the storage, not as the tensor object handed
+        # here: autograd may keep the saved activation through another tensor object on
+        # the same storage while this one is collected after the forward. A storage's
+        # Python object lives exactly as long as the storage (PyObject preservation).
+        p.collected = weakref.finalize(storage, self._collected, sid, p)
         p.done = self._copy(self.d2h_stream, p.host[:nbytes], _bytes(storage, t.device))
 
     def offload_wait(self, key: int, t: torch.Tensor) -> None:
@@ -116,6 +123,7 @@ class ActivationStore:
     def reload_wait(self, key: int, t: torch.Tensor) -> None:
         with self._lock:
             p = self._parked.pop(_identity(t))
+        p.collected.detach()
         self._wait(p)
         # Reused only by a later offload, whose copy is ordered after this wait.
         self._give_back(p)

@@ -80,3 +80,33 @@ def test_a_forward_without_backward_gives_its_host_buffers_back():
     assert store.emptied_bytes > 0
     assert not store._parked, "parked bytes of collected tensors must be released"
     assert all(len(bufs) == 1 for bufs in store._free.values()), "one host buffer per key, reused"
+
+
+def test_a_parked_activation_lives_as_long_as_its_storage_not_the_tensor_object_offloaded():
+    """Autograd may hold a saved activation through another tensor object on the same
+    storage and collect the object the forward offloaded: the parked bytes must stay until
+    the backward reloads them (a contrastive two-tower model under a tight budget hit it)."""
+    import gc
+
+    from megatrain.runtime.activation_offload import ActivationStore
+
+    store = ActivationStore(torch.device("cpu"))
+    forward_object = torch.randn(4, 8)
+    want = forward_object.clone()
+    saved_object = forward_object.detach()  # another tensor, the same storage, no _base
+    store.offload(0, forward_object)
+    store.offload_wait(0, forward_object)
+    del forward_object
+    gc.collect()
+    store.reload(0, saved_object)
+    store.reload_wait(0, saved_object)
+    assert torch.equal(saved_object, want)
+    assert not store._parked
+
+    # A storage that dies parked (no backward) gives its host buffer back, once.
+    dropped = torch.randn(4, 8)
+    store.offload(1, dropped)
+    store.offload_wait(1, dropped)
+    del dropped
+    gc.collect()
+    assert not store._parked and len(store._free[1]) == 1

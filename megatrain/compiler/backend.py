@@ -12,6 +12,7 @@ import collections
 import contextlib
 import copy
 import warnings
+import weakref
 
 import torch
 from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (keeps dynamo's registry warm)
@@ -101,6 +102,35 @@ def _check_region_budget(regions, params, region_params, opts: Options) -> None:
             f"region: region {worst[1]!r} needs {worst[0]} bytes ({format_bytes(worst[0])}) of "
             f"{opts.precision} weights alone; give gpu_memory of at least {worst[0]} bytes plus "
             f"activations")
+
+
+# id -> first parameter of each model warned about (weak: a collected model's id is free again)
+_warned_without_layers: "weakref.WeakValueDictionary[int, torch.nn.Parameter]" = weakref.WeakValueDictionary()
+
+
+def _without_layers(cap) -> str:
+    """For a graph with weights but no repeated structure (it streams as one piece): a
+    sentence naming the module that holds the most bytes; "" for a graph with layers."""
+    if not cap.params or any(r.kind == "layer" for r in cap.regions.regions):
+        return ""
+    by_module: collections.Counter = collections.Counter()
+    for fqn, p in zip(cap.fqns, cap.params):
+        by_module[fqn.rpartition(".")[0] or "<top level>"] += p.numel() * p.element_size()
+    module, nbytes = by_module.most_common(1)[0]
+    return (f"this graph has no repeated structure (no ModuleList, Sequential or ModuleDict of blocks, "
+            f"no same-class sibling modules, no module called more than once), so its "
+            f"{format_bytes(sum(by_module.values()))} of weights stream as one piece and gpu_memory must "
+            f"hold them all at once; module {module!r} holds the most ({format_bytes(nbytes)}). To stream "
+            f"below that, hold the model's blocks in an nn.ModuleList (or call one block several times)")
+
+
+def _warn_without_layers(cap, note: str) -> None:
+    """Warn once per model (keyed by its first parameter); not for the pieces of a model
+    split by graph breaks (one layer's graph has no repeated structure, and streams fine)."""
+    first = cap.params[0] if cap.params else None
+    if note and not _seen_breaks and _warned_without_layers.get(id(first)) is not first:
+        _warned_without_layers[id(first)] = first
+        warnings.warn(f"megatrain: {note}", stacklevel=4)
 
 
 def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -> None:
@@ -229,7 +259,15 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         counts = fusions.replace_kernel_patterns(gm, kernels)
         applied = tuple(name for name, n in counts.items() if n)
     cap = rehome(gm, example_inputs, opts.device, sid)
-    _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
+    streamer.region_names = {r.id: r.name for r in cap.regions.regions}
+    no_layers = _without_layers(cap)
+    _warn_without_layers(cap, no_layers)
+    try:
+        _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
+    except MegatrainValueError as e:
+        if not no_layers:
+            raise
+        raise MegatrainValueError(f"{e}. Note: {no_layers}") from None
 
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
                      kernels=applied)
@@ -239,7 +277,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
                               opts.prefetch, opts.offload,
                               fused=opts.lowering == "inductor" and opts.device.type == "cuda",
-                              keep_weights=opts.keep_weights)
+                              keep_weights=opts.keep_weights, region_names=streamer.region_names,
+                              param_names=cap.fqns)
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
@@ -286,12 +325,17 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
                 else contextlib.nullcontext())
     with autocast:
-        compiled = aot_module_simplified(
-            cap.gm, example_inputs,
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-            partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
-            decompositions=_decompositions(),
-            keep_inference_input_mutations=True)
+        try:
+            compiled = aot_module_simplified(
+                cap.gm, example_inputs,
+                fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+                partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
+                decompositions=_decompositions(),
+                keep_inference_input_mutations=True)
+        except InfeasibleBudget as e:
+            if not no_layers:
+                raise
+            raise InfeasibleBudget(f"{e}. Note: {no_layers}", e.min_budget) from None
     return compiled, plan, cap
 
 

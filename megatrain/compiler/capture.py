@@ -137,6 +137,31 @@ def _mutated(node: fx.Node) -> bool:
     return any(_mutated_by(user, node) for user in node.users)
 
 
+def _drop_unchanging_casts(node: fx.Node, param: torch.nn.Parameter) -> None:
+    """`module.to(dtype)` inside forward with the dtype the parameters already have (Hugging
+    Face's Switch router casts its classifier to float32 on every call) traces as
+    `p.set_(p.to(None, dtype, False))`: a write that changes nothing, since `.to` returns
+    `p` itself. Erase it (with dynamo's version-counter fix-up) rather than refuse it."""
+    for user in list(node.users):
+        if not (user.op == "call_function" and user.target is torch.Tensor.set_ and len(user.args) == 2):
+            continue
+        cast = user.args[1]
+        if not (isinstance(cast, fx.Node) and cast.op == "call_method" and cast.target == "to"
+                and cast.args and cast.args[0] is node and len(cast.users) == 1):
+            continue
+        targets = [a for a in (*cast.args[1:], *cast.kwargs.values())
+                   if isinstance(a, (torch.dtype, torch.device, str))]
+        if any(a != param.dtype for a in targets if isinstance(a, torch.dtype)) \
+                or any(torch.device(a) != param.device for a in targets if not isinstance(a, torch.dtype)):
+            continue
+        for fixup in list(user.users):
+            if not fixup.users:
+                fixup.graph.erase_node(fixup)
+        if not user.users:
+            user.graph.erase_node(user)
+            cast.graph.erase_node(cast)
+
+
 def _refuse_parameter_mutation(node: fx.Node, fqn: str) -> None:
     """A parameter written inside forward would only change the streamed device copy: the
     write would be lost silently. Refuse it, naming the op and the module."""
@@ -169,8 +194,9 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
     check_inputs(gm, example_inputs)
     _refuse_nested_compile_regions(gm.graph)
     graph = gm.graph
-    region_map = assign_regions(graph)
     placeholders = graph.find_nodes(op="placeholder")
+    region_map = assign_regions(graph, {n for n, x in zip(placeholders, example_inputs)
+                                        if isinstance(x, torch.nn.Parameter)})
     params: list[torch.nn.Parameter] = []
     fqns: list[str] = []
     region_params: dict[int, list[int]] = {}
@@ -180,6 +206,7 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
 
     for node, x in zip(placeholders, example_inputs):
         if isinstance(x, torch.nn.Parameter):
+            _drop_unchanging_casts(node, x)
             _refuse_parameter_mutation(node, parameter_fqn(node))
             pid = len(params)
             params.append(x)

@@ -107,9 +107,9 @@ def _stop_after_planning(sites: bool = False, rates=None):
     planned = []
 
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
-            keep_weights=False):
+            keep_weights=False, **names):
         try:
-            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights)
+            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights, **names)
         except Exception as e:  # InfeasibleBudget: its message is the answer
             raise _Planned(error=e) from None
         if not sites:

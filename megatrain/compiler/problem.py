@@ -61,6 +61,8 @@ class StepProblem:
     # Per planner region, the names of the saved tensors its boundary output is made of
     # (forward nodes; the backward's placeholders have the same names).
     saved: dict[int, list[str]]
+    merges: tuple[Merge, ...] = ()  # why graph regions were joined into units
+    weighted: frozenset[int] = frozenset()  # graph regions that fetch weights
 
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
@@ -68,7 +70,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     """`bw=None` describes a forward-only (inference) graph; `fused`: the graphs run as
     Inductor compiles them (fused kernels), not node by node."""
     graphs = [_Graph(fw.graph)] + ([_Graph(bw.graph)] if bw is not None else [])
-    unit_of = _units(graphs)
+    unit_of, merges = _units(graphs)
     for g in graphs:
         g.own(unit_of)
     sizes = _Sizes(device)
@@ -124,7 +126,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     groups = [{f.name: u for u, fs in g.fetch_groups().items() for f in fs} for g in graphs] + [{}]
     return StepProblem(problem, sizes.dims(problem), {u: tuple(m) for u, m in members.items()},
                        uses[0], uses[1], groups[0], groups[1],
-                       {u: [n.name for n in ns] for u, ns in saved_by_unit.items()})
+                       {u: [n.name for n in ns] for u, ns in saved_by_unit.items()}, tuple(merges),
+                       frozenset(r for g in graphs for r in g.fetches))
 
 
 def _int(v):
@@ -167,6 +170,9 @@ class _Graph:
         self.nodes = list(graph.nodes)
         self.pos = {n: i for i, n in enumerate(self.nodes)}
         self.region = self._owners()  # graph region of every compute node but fetches
+        if self._split_shared_fetches(graph):
+            self.nodes = list(graph.nodes)
+            self.pos = {n: i for i, n in enumerate(self.nodes)}
         # A fetch belongs where its weight is read: the region of its first reader; its
         # weights are in use from there to its last reader, whoever owns that.
         self.fetches: dict[int, list[fx.Node]] = {}
@@ -180,11 +186,41 @@ class _Graph:
                 w = self.window.get(r, (lo, hi))
                 self.window[r] = (min(w[0], lo), max(w[1], hi))
 
+    def _split_shared_fetches(self, graph: fx.Graph) -> bool:
+        """Give each region that reads a fetched weight its own fetch of it. The partitioner
+        may recompute a tensor shared by every layer (a LayerNorm of relative-position
+        embeddings, made in the prologue) at the start of the backward while the
+        prologue's own backward reads the same weight at the end: one fetch would hold
+        the weight, and with it every region in between, across the whole backward. The
+        copies are views of each region's own buffer, so the weight streams once per
+        reading region (a few bytes more over the link, never a longer window)."""
+        changed = False
+        for n in list(graph.find_nodes(op="call_function", target=ops.FETCH)):
+            groups: dict[int, list[fx.Node]] = {}
+            for u in n.users:
+                r = self.region.get(u)
+                if r is not None:
+                    groups.setdefault(r, []).append(u)
+            if len(groups) < 2:
+                continue
+            ordered = sorted(groups.values(), key=lambda us: min(self.pos[u] for u in us))
+            for users in ordered[1:]:
+                with graph.inserting_before(min(users, key=self.pos.__getitem__)):
+                    copy = graph.call_function(ops.FETCH, n.args, dict(n.kwargs))
+                copy.meta = dict(n.meta)
+                for u in users:
+                    u.replace_input_with(n, copy)
+                changed = True
+        return changed
+
     def _owners(self) -> dict[fx.Node, int]:
         """Each compute node's region: its tag, untagged nodes joining the run they sit in.
-        A region's runs apart from its main (longest) run belong to the run they sit in:
-        the partitioner may recompute a tensor early (T5's position bias, tagged with the
-        first block, at the start of the backward), which makes no second span."""
+        A run of another region's nodes inside a region's run (the partitioner recomputes
+        an input-free mask, tagged with the prologue, in the middle of a layer's backward)
+        belongs to the region around it. A region's runs apart from its main (longest) run
+        belong to the run they sit in: the partitioner may recompute a tensor early (T5's
+        position bias, tagged with the first block, at the start of the backward), which
+        makes no second span."""
         runs: list[tuple[int | None, list[fx.Node]]] = []
         for n in self.nodes:
             if n.op != "call_function":
@@ -194,7 +230,7 @@ class _Graph:
                 runs.append((r, []))
             if n.target is not ops.FETCH:  # a fetch tags what follows; it goes where it is read
                 runs[-1][1].append(n)
-        runs = [run for run in runs if run[1]]
+        runs = _absorb_sandwiched([run for run in runs if run[1]])
         if runs and runs[0][0] is None:  # leading untagged nodes: the first tagged run's
             if len(runs) == 1:
                 return {}
@@ -255,8 +291,16 @@ class _Graph:
         return out
 
     def host_copies(self) -> set[fx.Node]:
-        """grad_to_host results: host memory, even when the compute device is the CPU."""
-        return {n for n in self.nodes if n.op == "call_function" and n.target is ops.GRAD_TO_HOST}
+        """grad_to_host results and what is computed from them alone (the sum of a shared
+        weight's gradients from the several regions that fetch it): host memory, even when
+        the compute device is the CPU."""
+        out: set[fx.Node] = set()
+        for n in self.nodes:
+            if n.op != "call_function":
+                continue
+            if n.target is ops.GRAD_TO_HOST or (n.all_input_nodes and all(a in out for a in n.all_input_nodes)):
+                out.add(n)
+        return out
 
     def gradient_lives(self) -> dict[fx.Node, int]:
         """Weight gradient -> the position of the hand-off after its own (or its own)."""
@@ -330,6 +374,23 @@ class _Graph:
         return out
 
 
+def _absorb_sandwiched(runs: list[tuple[int | None, list[fx.Node]]]) -> list[tuple[int | None, list[fx.Node]]]:
+    """Runs of (region, nodes) in graph order, with every run that sits between two runs of
+    one other region joined to them: a recompute placed inside a region's backward is
+    computed there, whatever module made it, and must not split that region in two (the
+    two halves would stretch its weights' window over its neighbours and merge them)."""
+    out: list[tuple[int | None, list[fx.Node]]] = []
+    for r, nodes in runs:
+        if len(out) >= 2 and out[-2][0] == r and out[-1][0] != r and r is not None:
+            middle = out.pop()[1]
+            out[-1] = (r, out[-1][1] + middle + nodes)
+        elif out and out[-1][0] == r:
+            out[-1] = (r, out[-1][1] + nodes)
+        else:
+            out.append((r, list(nodes)))
+    return out
+
+
 def _alias_users(node: fx.Node) -> list[fx.Node]:
     """Every node that reads `node`'s memory: its users, and users of its views."""
     out, stack, seen = [], [node], set()
@@ -345,11 +406,36 @@ def _alias_users(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _units(graphs: list[_Graph]) -> dict[int, int]:
+@dataclass(frozen=True)
+class Merge:
+    """Why two graph regions stream as one unit: in `graph` ("forward" or "backward"),
+    region `first` reaches node `reach` (computed for it, or reading a weight fetched for
+    it when `through_weight`), past node `start`, where region `second` begins."""
+
+    graph: str
+    first: int
+    second: int
+    reach: str
+    start: str
+    through_weight: bool
+    param: int | None = None  # the weight's parameter index, when through_weight
+
+    def describe(self, names: dict[int, str], param_names: list[str] = ()) -> str:
+        what = "a weight"
+        if self.param is not None and self.param < len(param_names):
+            what = f"weight {param_names[self.param]!r}"
+        how = f"reads {what} fetched for it at" if self.through_weight else "computes at"
+        return (f"in the {self.graph} graph, {names.get(self.first, self.first)!r} {how} node "
+                f"{self.reach!r}, after {names.get(self.second, self.second)!r} starts (node {self.start!r})")
+
+
+def _units(graphs: list[_Graph]) -> tuple[dict[int, int], list[Merge]]:
     """Graph region -> unit (the smallest region id among its members): regions whose spans
-    overlap in any graph are merged until every graph's unit spans are disjoint."""
+    overlap in any graph are merged until every graph's unit spans are disjoint; and why
+    each merge happened."""
     regions = sorted({r for g in graphs for r in g.region.values()} | {r for g in graphs for r in g.fetches})
     unit = {r: r for r in regions}
+    merges: list[Merge] = []
 
     def find(r):
         while unit[r] != r:
@@ -360,18 +446,33 @@ def _units(graphs: list[_Graph]) -> dict[int, int]:
     changed = True
     while changed:
         changed = False
-        for g in graphs:
+        for kind, g in zip(("forward", "backward"), graphs):
             flat = {r: find(r) for r in regions}
             spans = sorted(g.spans(flat).items(), key=lambda kv: kv[1])
             for (a, (_, a_hi)), (b, (b_lo, _)) in zip(spans, spans[1:]):
                 if b_lo <= a_hi:
+                    merges.append(_merge(kind, g, flat, a, a_hi, b, b_lo))
                     lo, hi = sorted((find(a), find(b)))
                     unit[hi] = lo
                     changed = True
                     break
             if changed:
                 break
-    return {r: find(r) for r in regions}
+    return {r: find(r) for r in regions}, merges
+
+
+def _merge(kind: str, g: _Graph, flat: dict[int, int], a: int, a_hi: int, b: int, b_lo: int) -> Merge:
+    """The Merge of unit `a` (its span ends at `a_hi`) into `b` (starts at `b_lo`)."""
+    members = [r for r, u in flat.items() if u == a]
+    node = g.nodes[a_hi]
+    owner = g.region.get(node)
+    through_weight = owner is None or flat.get(owner) != a
+    first = owner if not through_weight else next(
+        (r for r in members if g.window.get(r, (0, -1))[1] == a_hi), members[0])
+    second = next((r for r, u in flat.items() if u == b and g.region.get(g.nodes[b_lo]) == r), b)
+    param = next((f.args[3] for f in g.fetches.get(first, ()) if through_weight
+                  and any(g.pos[x] == a_hi for x in _alias_users(f))), None)
+    return Merge(kind, first, second, node.name, g.nodes[b_lo].name, through_weight, param)
 
 
 def _weights(graphs: list[_Graph], params, dtype):

@@ -124,11 +124,20 @@ def _without_layers(cap) -> str:
             f"below that, hold the model's blocks in an nn.ModuleList (or call one block several times)")
 
 
-def _warn_without_layers(cap, note: str) -> None:
+def _split_by_a_break(gm: torch.fx.GraphModule) -> bool:
+    """Whether dynamo made `gm` from part of a frame: it ends at a graph break, or it is
+    the resumed rest of a frame after one (dynamo's `torch_dynamo_resume_in_...`)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and reason.graph_break:
+        return True
+    return any("torch_dynamo_resume_in_" in (n.meta.get("stack_trace") or "") for n in gm.graph.nodes)
+
+
+def _warn_without_layers(cap, note: str, piece: bool) -> None:
     """Warn once per model (keyed by its first parameter); not for the pieces of a model
     split by graph breaks (one layer's graph has no repeated structure, and streams fine)."""
     first = cap.params[0] if cap.params else None
-    if note and not _seen_breaks and _warned_without_layers.get(id(first)) is not first:
+    if note and not piece and _warned_without_layers.get(id(first)) is not first:
         _warned_without_layers[id(first)] = first
         warnings.warn(f"megatrain: {note}", stacklevel=4)
 
@@ -164,7 +173,7 @@ def _share_cores(params, opts: Options) -> None:
     """Streaming on a GPU, the host optimizer shares the cores and host memory bandwidth
     with the copies, the launch thread and autograd. Measured on the H200 box (16 cores,
     1.3B, 16k tokens): 16 optimizer threads 0.630 s/step, 12: 0.589, 8: 0.578, 6: 0.567,
-    4: 0.590 (bench/results/NOTES.md, session 4). So an optimizer whose threads the user
+    4: 0.590 (bench/results/NOTES.md). So an optimizer whose threads the user
     left unset gets half the cores."""
     if opts.device.type != "cuda":
         return
@@ -231,7 +240,7 @@ def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
     [tokens, vocab] logits, their fp32 upcast and their gradient: the loss region's backward
     is where a long sequence's step peaks. This is for memory, not speed: on the H200 the
     fused loss is no faster than Inductor's code (fusions.DEFAULT's comment), so by the
-    kernel policy (issue 5) it is off by default and used only when the budget needs it.
+    kernel policy (fusions.py) it is off by default and used only when the budget needs it.
     Raises the retry's InfeasibleBudget, saying the fused loss was already tried."""
     try:
         compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS)
@@ -258,10 +267,11 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
         counts = fusions.replace_kernel_patterns(gm, kernels)
         applied = tuple(name for name, n in counts.items() if n)
+    piece = _split_by_a_break(gm)
     cap = rehome(gm, example_inputs, opts.device, sid)
     streamer.region_names = {r.id: r.name for r in cap.regions.regions}
     no_layers = _without_layers(cap)
-    _warn_without_layers(cap, no_layers)
+    _warn_without_layers(cap, no_layers, piece)
     try:
         _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
     except MegatrainValueError as e:

@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 
 import megatrain  # noqa: E402
 
-from .helpers import flat, param_bytes, rel  # noqa: E402
+from .helpers import compile_streamed, flat, param_bytes, rel  # noqa: E402
 
 WIDTH, BLOCKS = 128, 6
 
@@ -125,8 +125,7 @@ def test_layers_are_found_in_any_container_and_each_call_streams_alone(name):
     model = build()
     ref = copy.deepcopy(model)
     budget = int(fraction * param_bytes(model))
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager", "gpu_memory": budget})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager", "gpu_memory": budget})
     opt, opt_ref = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for i in range(3):
         x = torch.randn(8, WIDTH)
@@ -153,14 +152,14 @@ def test_layers_are_found_in_any_container_and_each_call_streams_alone(name):
 
 def test_a_graph_without_repeated_structure_warns_once_naming_the_largest_module():
     model = _Flat()
-    step = torch.compile(model, backend="megatrain", options={"device": "cpu", "precision": "fp32",
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32",
                                                               "lowering": "eager", "gpu_memory": 1 << 30})
     with pytest.warns(UserWarning, match=r"no repeated structure.*module 'down' holds the most"):
         step(torch.randn(4, WIDTH)).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch._dynamo.reset()
-        torch.compile(model, backend="megatrain", options={"device": "cpu", "precision": "fp32",
+        compile_streamed(model, {"device": "cpu", "precision": "fp32",
                                                            "lowering": "eager", "gpu_memory": 1 << 30})(
             torch.randn(4, WIDTH)).backward()
 
@@ -170,7 +169,7 @@ def test_a_refusal_of_a_graph_without_repeated_structure_says_why():
 
     model = _Flat()
     budget = int(0.9 * param_bytes(model))
-    step = torch.compile(model, backend="megatrain", options={"device": "cpu", "precision": "fp32",
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32",
                                                               "lowering": "eager", "gpu_memory": budget})
     with pytest.raises(MegatrainValueError, match="no repeated structure"), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -158,12 +158,12 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
         b.zero_()
     # the parameters' owner (its registry entry lives as long as it does)
     owner = megatrain.AdamW(net.parameters()) if updates else None
-    step = torch.compile(net, backend="megatrain", options={
-        "device": "cpu", "precision": "bf16", "lowering": "inductor", "gpu_memory": gpu_memory,
-        "keep_weights": keep_weights, **({"kernels": kernels.split(",")} if kernels else {}),
-        **({"updates": updates} if updates else {})})
+    step = torch.compile(net, backend="megatrain",
+                         options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory})
+    forced = {"lowering": "inductor", "keep_weights": keep_weights,
+              **({"kernels": kernels.split(",")} if kernels else {}), **({"updates": updates} if updates else {})}
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
-    with _stop_after_planning(sites=bool(updates), rates=rates):
+    with _stop_after_planning(sites=bool(updates), rates=rates), megatrain.config.patch(**forced):
         try:
             step(ids, labels=ids)
         except Exception as e:

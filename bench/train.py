@@ -694,22 +694,26 @@ def run_system(args) -> dict:
 
             load_or_probe(device)
         opt = megatrain.AdamW(model.parameters(), lr=1e-4, threads=threads[0][0] if threads else None)
-        options = {"device": args.device, "precision": args.precision, "prefetch": args.prefetch,
-                   "updates": args.updates}
+        options = {"device": args.device, "precision": args.precision}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
+        # A variant's flags force megatrain's decisions (one system per process, so the
+        # config module is this run's): diagnostics beside the planner's defaults.
+        forced = {"prefetch": args.prefetch, "updates": args.updates}
         if args.backlog:
-            options["backlog"] = args.backlog
+            forced["backlog"] = args.backlog
         if args.grad_ring:
-            options["grad_chunk"] = args.grad_ring
+            forced["grad_chunk"] = args.grad_ring
         if args.no_offload:
-            options["offload"] = False
+            forced["offload"] = False
         if args.keep_weights:
-            options["keep_weights"] = True
+            forced["keep_weights"] = True
         if args.weight_shadow:
-            options["weight_shadow"] = True
+            forced["weight_shadow"] = True
         if args.kernels:
-            options["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
+            forced["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
+        for name, value in forced.items():
+            setattr(megatrain.config, name, value)
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False
         autocast = torch.autocast(device.type, enabled=False)
     else:

@@ -50,8 +50,8 @@ def main() -> None:
     options = {"device": str(info.device)}
     if args.precision:
         options["precision"] = args.precision
-    if args.lowering:
-        options["lowering"] = args.lowering
+    if args.lowering:  # a debugging knob, forced for the graphs compiled by the first call
+        megatrain.config.lowering = args.lowering
     step = torch.compile(model, backend="megatrain", options=options)
 
     data = torch.Generator().manual_seed(1)  # the same global batches on every rank

@@ -50,10 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=["bf16", "fp32"],
                    help="compute precision; the master weights are fp32 either way "
                         "[bf16 on cuda, fp32 on cpu]")
-    g.add_argument("--updates", choices=["host", "auto", "device", "resident"],
-                   help="megatrain backend: where AdamW updates run; 'resident' keeps the "
-                        "state of as many layers as the free GPU memory holds on the GPU "
-                        "(compile option `updates`) [host]")
+    # Retired: the backend decides where updates run; kept only to refuse it with the reason.
+    g.add_argument("--updates", help=argparse.SUPPRESS)
     g.add_argument("--compile", choices=["megatrain", "eager"],
                    help="megatrain backend, or plain torch on --device [megatrain]")
     g = t.add_argument_group("output")
@@ -83,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatrain.train import RefusedError
 
     try:
+        if args.pop("updates", None) is not None:
+            raise RefusedError("--updates is not a flag any more: megatrain decides where the "
+                               "optimizer's updates run. To force it for a benchmark, set "
+                               "megatrain.config.updates in the process that trains")
         if command == "plot":
             from megatrain.train.plot import plot_metrics
             print(plot_metrics(args["dir"], args.get("output")))

@@ -1,7 +1,12 @@
 """Knobs for tests, benchmarks and debugging, like `torch._inductor.config`: module-level
 values read where they act, changed with `megatrain.config.patch(name=value)` (a context
-manager and decorator) or by assignment. Users set options (`device`, `gpu_memory`, ...);
-nothing here is needed to train fast or exactly.
+manager) or by assignment. Users set options (`device`, `gpu_memory`, `precision`); the
+rest is megatrain's to decide, and nothing here is needed to train fast or exactly.
+
+The decisions below are read when a graph is compiled (the first call of the compiled
+model, and any recompile): a test or benchmark forcing one wraps those calls in `patch`.
+A forced decision is a diagnostic; where one wins, the planner must learn to choose it.
+Each value is validated like an option, with the fix in the error.
 """
 
 from __future__ import annotations
@@ -17,11 +22,49 @@ import sys
 check_fetched_weights: bool = False
 
 
+# -- decisions (the planner's, or today's fixed choice where it has none yet) -------------
+# How each graph is lowered: "inductor" (Triton on GPU, C++ on CPU) or "eager" (the
+# scheduled FX graphs run as they are: debugging, fast tests).
+lowering: str = "inductor"
+# The most regions fetched ahead of the one computing; the planner picks the fastest depth
+# up to it that fits gpu_memory.
+prefetch: int = 1
+# megatrain's Triton kernels swapped in for their patterns (names of compiler.fusions.
+# PATTERNS, True for all, False for none); None: the planner's choice, the fused
+# linear-cross-entropy loss only where the budget needs it.
+kernels = None
+# Where megatrain.AdamW's updates run: "host", "auto" (the cost model per region),
+# "device" (streamed state) or "resident" (state kept on the device where it fits).
+updates: str = "host"
+# The order a lagging host optimizer gets the regions: None (arrival), "host" (the next
+# forward's fetch order, the rest deferred into it) or "device".
+backlog = None
+# Boundary activations may wait in host memory between the passes where the plan needs it.
+offload: bool = True
+# Gradients to the host through a ring of 4 chunks of this many bytes, not region slabs.
+grad_chunk = None
+# The most host gradient slabs (None: two, more while the host lags and RAM allows).
+grad_slabs = None
+# Keep the forward's weights of the regions whose backward comes first, where they fit.
+keep_weights: bool = False
+# Stream bf16 weights from a page-locked copy megatrain.AdamW keeps current (bf16 only).
+weight_shadow: bool = False
+
+DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload", "grad_chunk",
+             "grad_slabs", "keep_weights", "weight_shadow")
+
+
+def decisions() -> dict:
+    """The decision knobs' current values, by name."""
+    module = sys.modules[__name__]
+    return {name: getattr(module, name) for name in DECISIONS}
+
+
 @contextlib.contextmanager
 def patch(**values):
     """Set module values for a block: `with megatrain.config.patch(check_fetched_weights=True):`."""
     module = sys.modules[__name__]
-    unknown = [k for k in values if not hasattr(module, k) or k.startswith("_") or k == "patch"]
+    unknown = [k for k in values if k not in _knobs()]
     if unknown:
         raise AttributeError(f"megatrain.config has no knob {unknown[0]!r}; knobs: "
                              f"{', '.join(_knobs())}")
@@ -36,7 +79,4 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    module = sys.modules[__name__]
-    return [k for k, v in vars(module).items()
-            if not k.startswith("_") and not callable(v) and not isinstance(v, type(sys))
-            and k != "annotations"]
+    return ["check_fetched_weights", *DECISIONS]

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from .. import config
 from ..errors import MegatrainTypeError, MegatrainValueError
 from ..runtime.grad_slabs import check_max_slabs
 from .update_sites import UPDATES
@@ -37,122 +38,18 @@ def parse_bytes(value: int | float | str, name: str = "gpu_memory") -> int:
 
 @dataclass(frozen=True)
 class Options:
-    """What `torch.compile(model, backend="megatrain", options={...})` accepts.
+    """What the backend runs with: the user's options, validated, and the decisions.
 
+    A user sets (`torch.compile(model, backend="megatrain", options={...})`):
     device: where compute runs ("cuda", "cuda:1", "cpu"); the model and inputs stay on the CPU.
-    gpu_memory: hard budget, in bytes, for megatrain's device memory (weights in flight,
-        saved activations, one region's working set). Default: the device's free memory
-        (CUDA) or 4 GiB (CPU device).
+    gpu_memory: hard budget, in bytes or a string like "16GiB", for megatrain's device memory
+        (weights in flight, saved activations, one region's working set). Default: the
+        device's free memory (CUDA) or 4 GiB (CPU device).
     precision: "bf16" computes in bfloat16 from the fp32 host master; "fp32" computes in fp32
         and matches eager training to float tolerance.
-    prefetch: the most regions fetched ahead of the one computing (1 = double buffering);
-        the planner picks the fastest depth up to it that fits gpu_memory.
-    lowering: "inductor" compiles each graph with Inductor (Triton on GPU, C++ on CPU);
-        "eager" runs the scheduled FX graphs as they are (debugging, fast tests).
-    kernels: which eager patterns to replace with megatrain's Triton kernels (names from
-        `megatrain.compiler.fusions.PATTERNS`; True = all; False or () = none). Not given
-        (None): none, because on the H200 none beats Inductor's own code for its pattern in
-        forward+backward yet (bench/results/kernels.jsonl; a kernel that loses is not used
-        by default), except that a graph whose plan does not fit gpu_memory is planned again
-        with the fused linear-cross-entropy loss, which never holds the [tokens, vocab]
-        logits (backend.py; `megatrain.explain(...)` notes it). An explicit value is kept
-        exactly: no retry.
-    updates: where each region's megatrain.AdamW update runs: "auto" lets the cost model
-        choose per region (megatrain.compiler.update_sites), "host" keeps every update on
-        the host, "device" runs every region's update on the compute device where its
-        buffers fit the memory the plan leaves free. `megatrain.explain(...)` shows the
-        choice (GraphPlan.update_sites). Default "host": on the H200 "auto" was 10% faster
-        at 8 layers of the 1.3B width (bench/results/NOTES.md, session 11), and no faster
-        than "host" runs there at full depth (0.595 s, session 13). Its cost model
-        (megatrain.optim.device_update.update_site) counts both resources a device update
-        loads, the link (12 B/param each way) and host memory (its 24 B/param of DMA),
-        against the host update's 28 B/param plus the gradient's copy; host memory is what
-        bounds the step at 1.3B (bench/results/NOTES.md).
-        "resident" first keeps the AdamW state (fp32 master, m, v: 12 B/param) of as many
-        regions as that free memory holds on the device for good, the regions the next
-        forward needs first, then places the rest like "auto": those regions cost no
-        host memory traffic and no link bytes at all (megatrain.optim.resident). Their
-        host copies are current only after `opt.synchronize()` (or `state_dict()`), which
-        brings the state home until the next step adopts it again. Inside
-        `accumulate()`, with clipping or the non-finite check their gradients wait in a
-        device buffer (4 B/param more, from the same free memory) for `step()`. On the
-        H200 at 1.3B/16k, 12 GiB: 46% of the parameters resident, 0.408 s/step with two
-        gradient slabs, 0.365 with more (0.78x / 0.88x GPU-resident compiled); at 3B/16k
-        nothing fit beside the 10.2 GiB the plan really used (bench/results/NOTES.md,
-        session 14; 0.78x again on an H100 host with the fused loss and backlog="host",
-        session 21). Opt-in although its CUDA tests pass (sessions 19-21): between
-        synchronize() calls the host copies of resident parameters are stale, which code
-        that reads `model.parameters()` on the host would not expect.
-    backlog: the order in which regions reach a host optimizer that lags behind backward.
-        None (default): arrival order (last layer first), and backward's end waits for
-        every update, so the next forward, which needs region 0 (updated last) first,
-        starts when the host is done. "host": earliest deadline first, the deadline being
-        the region's first fetch in the forward; at backward's end the regions not yet
-        updated are deferred (megatrain.AdamW.defer) and the next forward runs beside their
-        updates, each fetch waiting for its own region (megatrain.runtime.deadlines); their
-        gradients wait in host slabs, which grow into spare host RAM (see grad_slabs).
-        "device": the same, but gradients that find no free slab wait on the device
-        (within the memory the plan leaves free; beyond it backward waits for a slab) and
-        the slabs stay two (megatrain.runtime.grad_backlog). Same results, bitwise; where
-        the optimizer needs every gradient first (clipping, the non-finite check,
-        accumulate()) backward's end waits as with None. Default None: "device" made the
-        step 55% slower on the H200 at 1.3B/16k (0.929 s against 0.601; the host's update
-        time nearly doubled, cause unknown; bench/results/NOTES.md, session 11); "host"
-        made it 12% faster on an H100 host at 3B/16k with updates="resident" (0.867 s
-        against 0.982, session 19), where the host sets the pace, and changed nothing at
-        1.3B/16k and 14 GiB, where compute does (0.353 against 0.349 s, session 22): it
-        pays only where the host lags, and there its slabs take spare host RAM.
-    offload: let the planner park boundary activations in host memory between the passes
-        (copied out in the forward, back ahead of their first backward reader) where that
-        is what fits gpu_memory, or is predicted faster; the longest-lived go first. The
-        planner keeps them on the device whenever that fits as fast. Default True: on the
-        H200 (3B, 32k tokens, gpu_memory=12GiB, which refuses without it) it ran at 0.92x
-        GPU-resident compiled training, peak 9.6 GiB (runtime/activation_offload.py).
-        False: every boundary activation stays on the device.
-    grad_chunk: with megatrain.AdamW and no backlog, send gradients to the host through
-        a ring of 4 chunks of this many bytes (e.g. "64MiB"), each handed to the optimizer
-        as it fills, instead of two slabs of the largest region's gradients
-        (runtime/grad_ring.py): host memory for gradients becomes 4 x grad_chunk, not
-        2 x the embedding's fp32 gradient (0.52 GB at 1.3B, 4.2 GB at Llama-3-8B). Same
-        results, bitwise. Default None (region slabs): on the H200 at 1.3B/16k 64 MiB
-        chunks lower the host peak from 12.60 to 12.41 bytes per parameter and cost 8% of
-        step time (bench/results/NOTES.md, session 11).
-    grad_slabs: the most host slabs (each the size of the largest region's gradients)
-        that gradients wait in for megatrain.AdamW; past it the backward waits for the host
-        optimizer. None (default): two, and more only while the optimizer lags behind the
-        backward, some regions' updates bypass the host (resident state, device sites),
-        and the host's RAM keeps 1/8 of itself (at least 2 GiB) available
-        (runtime/grad_slabs.py): a lagging host then works through those regions' backward
-        and the next forward instead of holding the GPU idle. Measured on the H200 at
-        1.3B/16k, `updates="resident"`, 12 GiB: 0.426 s/step with two slabs, 0.365 with up
-        to sixteen (13 used, 3.4 GB of host memory, 2.5 B/param); with every update on
-        the host more slabs bought nothing (3B/16k: 26 slabs, 10.4 GB, 1.39 s against
-        1.31; bench/results/NOTES.md, session 14). With backlog="host" they grow past two
-        for it too (the deferred updates overlap the next forward). An int bounds the host
-        memory they take. With backlog="device", None means two: the waiting gradients
-        stay on the device instead.
-    keep_weights: let the planner keep the forward's weight buffers of the regions whose
-        backward comes first on the device for that backward, as many as fit gpu_memory
-        beside the chosen schedule, instead of fetching them a second time: each saves its
-        weights' PCIe bytes and a read of their fp32 masters from host memory, which bounds
-        the step at 1.3B (bench/results/NOTES.md). Same results, bitwise (the masters do
-        not change between a forward and its backward). Default False: on the H200 at
-        1.3B/16k it kept 20 regions and cut the H2D bytes from 10.5 to 6.4 GB per step at
-        the same step time (0.592 s against 0.582): the host's updates bound that step,
-        not the link; it is for steps the link bounds (bench/results/NOTES.md, session 11).
-    weight_shadow: with megatrain.AdamW and precision="bf16", keep a page-locked bf16 copy
-        of every streamed parameter in host memory, which the optimizer writes as it
-        updates each chunk (still in cache), and fetch weights from it: the H2D moves 2
-        bytes a parameter instead of the fp32 master's 4, and the device casts nothing.
-        Same values, bitwise (both casts round to nearest even). Costs 2 B/param of host
-        memory and 2 B/param more written by the host per update. A shadow written by
-        anything but the optimizer's update (load_state_dict, an in-place write under
-        no_grad, a device-site update's copy back) is stale until the next update, and
-        those fetches read the master; a write through ``p.data`` is not seen. Default
-        False: measured slower where built for. On an H100 host at 3B/16k it removed the
-        forward's wait for fp32 weights (0.095 -> 0.004 s a step) but the bf16 write cut
-        the host's update rate by a third, and the host sets that step's pace: 0.991 s
-        against 0.885 (bench/results/NOTES.md, session 20).
+
+    The other fields are megatrain's decisions, read from `megatrain.config` (which
+    documents each); tests and benchmarks force them there, never through `options`.
     """
 
     device: torch.device
@@ -180,13 +77,24 @@ _LOWERINGS = ("inductor", "eager")
 _BACKLOGS = ("host", "device")
 
 
+USER_OPTIONS = ("device", "gpu_memory", "precision")
+
+
 def parse_options(options: dict | None) -> Options:
+    """The user's `options` validated, with the decisions of `megatrain.config` beside them."""
     options = dict(options or {})
-    known = {f.name for f in fields(Options)}
-    unknown = sorted(set(options) - known)
+    retired = sorted(set(options) & set(config.DECISIONS))
+    if retired:
+        name = retired[0]
+        raise MegatrainValueError(
+            f"option {name}={options[name]!r} is not a backend option any more: megatrain decides it "
+            f"(the options are {list(USER_OPTIONS)}). To force it for a test or a benchmark, "
+            f"compile and call under `with megatrain.config.patch({name}={options[name]!r}):`")
+    unknown = sorted(set(options) - set(USER_OPTIONS))
     if unknown:
         raise MegatrainValueError(
-            f"unknown megatrain option(s) {unknown}; the options are {sorted(known)}")
+            f"unknown megatrain option(s) {unknown}; the options are {list(USER_OPTIONS)}")
+    options = {**config.decisions(), **options}
 
     raw_device = options.get("device", "cuda" if torch.cuda.is_available() else "cpu")
     try:

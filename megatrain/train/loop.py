@@ -46,7 +46,6 @@ class TrainConfig:
     device: str | None = None           # None: cuda if available, else cpu
     gpu_memory: str | None = None
     precision: str | None = None        # None: bf16 on cuda, fp32 on cpu
-    updates: str = "host"               # where AdamW runs: the backend's `updates` option
     compile: str = "megatrain"          # megatrain | eager
     out: str | None = None              # None: runs/<model name>
     save_every: int = 500               # 0: only at the end
@@ -99,7 +98,7 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig):
 
 def backend_options(cfg: TrainConfig) -> dict:
     """The megatrain backend's options from the run's config."""
-    options = {"device": cfg.device, "precision": cfg.precision, "updates": cfg.updates}
+    options = {"device": cfg.device, "precision": cfg.precision}
     if cfg.gpu_memory is not None:
         options["gpu_memory"] = cfg.gpu_memory
     return options

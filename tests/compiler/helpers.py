@@ -27,7 +27,7 @@ def train_side_by_side(model, batches, options, steps=3, lr=1e-3, device="cpu"):
     """Train `model` eagerly (on `device`) and a copy through megatrain; return both histories."""
     ref = copy.deepcopy(model).to(device)
     streamed = copy.deepcopy(model)
-    step = torch.compile(streamed, backend="megatrain", options=options)
+    step = compile_streamed(streamed, options)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     opt = torch.optim.AdamW(streamed.parameters(), lr=lr, weight_decay=0.1)
     out = {"loss_ref": [], "loss": [], "grads_ref": None, "grads": None}
@@ -100,7 +100,7 @@ def train_megatrain(model, batches, options, *, max_grad_norm=None, accumulate=F
     torch._dynamo.reset()
     model = copy.deepcopy(model)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
-    step = torch.compile(model, backend="megatrain", options=options)
+    step = compile_streamed(model, options)
     losses, deferred, norms = [], [], []
     for ids, labels in batches:
         if accumulate:
@@ -185,3 +185,40 @@ def least_budgets(schedule) -> dict[bool, int]:
             plan_step(schedule.plan.schedule.problem, 1, schedule.rates, options=PlannerOptions(offload=offload))
         need[offload] = info.value.min_budget
     return need
+
+
+class _Forced:
+    """A model compiled with `backend="megatrain"`, each call made under
+    `megatrain.config.patch(**knobs)`: the graphs compile (on a call) with those decisions."""
+
+    def __init__(self, compiled, knobs: dict):
+        self._compiled, self._knobs = compiled, knobs
+        self._orig_mod = getattr(compiled, "_orig_mod", compiled)
+
+    def __call__(self, *args, **kwargs):
+        with megatrain.config.patch(**self._knobs):
+            return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
+
+
+def compile_streamed(model, options: dict | None = None):
+    """`torch.compile(model, backend="megatrain")` with `options`' user options; its decision
+    knobs (lowering, updates, prefetch, ...: megatrain.config.DECISIONS) are forced through
+    megatrain.config around every call, as tests and benchmarks must force them."""
+    options = dict(options or {})
+    knobs = {k: options.pop(k) for k in list(options) if k in megatrain.config.DECISIONS}
+    compiled = torch.compile(model, backend="megatrain", options=options)
+    return _Forced(compiled, knobs) if knobs else compiled
+
+
+def parse_forced(options: dict):
+    """`parse_options` of `options`' user options, with its decision knobs forced through
+    megatrain.config (where the backend reads them), validated alike."""
+    from megatrain.compiler.options import parse_options
+
+    options = dict(options)
+    knobs = {k: options.pop(k) for k in list(options) if k in megatrain.config.DECISIONS}
+    with megatrain.config.patch(**knobs):
+        return parse_options(options)

@@ -10,7 +10,7 @@ import megatrain
 from megatrain.compiler.planner import InfeasibleBudget
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import random_batches, rel, train_side_by_side
+from .helpers import compile_streamed, random_batches, rel, train_side_by_side
 
 # Between what the leanest plan needs with every boundary activation offloaded (1.57 MiB)
 # and without (1.70 MiB), for this model and batch (see the infeasible test below).
@@ -58,7 +58,7 @@ def test_two_forwards_before_one_backward_keep_their_own_activations():
     torch.manual_seed(0)
     ref, streamed = model(), model()
     streamed.load_state_dict(ref.state_dict())
-    step = torch.compile(streamed, backend="megatrain", options=options("eager"))
+    step = compile_streamed(streamed, options("eager"))
     (a, la), (b, lb) = random_batches(64, 2, batch=8, seq=64)
     (ref(a, labels=la) + 2 * ref(b, labels=lb)).backward()
     (step(a, labels=la) + 2 * step(b, labels=lb)).backward()
@@ -72,7 +72,7 @@ def test_two_forwards_before_one_backward_keep_their_own_activations():
 def test_a_forward_without_backward_gives_its_host_buffers_back():
     torch.manual_seed(0)
     streamed = model()
-    step = torch.compile(streamed, backend="megatrain", options=options("eager"))
+    step = compile_streamed(streamed, options("eager"))
     (ids, labels), = random_batches(64, 1, batch=8, seq=64)
     for _ in range(3):
         step(ids, labels=labels)  # grad enabled, backward never run: the graph is dropped

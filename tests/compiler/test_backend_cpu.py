@@ -18,7 +18,7 @@ import torch
 import megatrain
 from megatrain.models import GPT2, GPT2Config, Llama, LlamaConfig
 
-from .helpers import (assert_streams_each_weighted_region_once, param_bytes, rel, random_batches,
+from .helpers import (compile_streamed, assert_streams_each_weighted_region_once, param_bytes, rel, random_batches,
                       train_side_by_side)
 
 
@@ -57,8 +57,7 @@ def test_training_matches_eager(name):
 
 def test_regions_are_the_layers_plus_outer_regions():
     model = llama(tied=True, layers=5)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager"})
     ids = torch.randint(0, 160, (2, 8))
     step(ids, labels=ids).backward()
     import megatrain
@@ -79,8 +78,7 @@ def test_regions_are_the_layers_plus_outer_regions():
 def test_saved_activations_are_region_boundaries_only():
     torch.manual_seed(0)
     model = llama(tied=False, layers=3)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager"})
     ids = torch.randint(0, 160, (2, 8))
     step(ids, labels=ids).backward()
     import megatrain
@@ -100,8 +98,7 @@ def test_inference_streams_too():
     ids = torch.randint(0, 160, (2, 8))
     with torch.no_grad():
         ref = model(ids)
-        step = torch.compile(model, backend="megatrain",
-                             options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+        step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager"})
         out = step(ids)
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -163,8 +160,7 @@ def test_varying_sequence_length_recompiles_once():
     torch.manual_seed(0)
     model = llama(tied=False, layers=2)
     ref = copy.deepcopy(model)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager"})
     graphs_before = counters["stats"]["unique_graphs"]  # counters live for the whole process
     for t in (16, 24, 32, 40):
         ids = torch.randint(0, 160, (2, t))
@@ -207,8 +203,7 @@ def test_dropout_backward_uses_the_forward_mask(lowering):
 
     torch.manual_seed(torch.seed() % 2**31)
     model = Dropping()
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": lowering})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": lowering})
     x, g = torch.randn(16, 32), torch.randn(16, 32)
     loss, h = step(x, g)
     loss.backward()
@@ -232,7 +227,7 @@ def test_frozen_parameters_stream_and_stay_frozen(optimizer, updates):
         p.requires_grad_(("layers.1." in name and "attn" in name) or name.startswith("norm"))
     ref = copy.deepcopy(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    step = torch.compile(model, backend="megatrain", options={
+    step = compile_streamed(model, {
         "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates,
         "gpu_memory": "4MiB"})
     trainable = [p for p in model.parameters() if p.requires_grad]

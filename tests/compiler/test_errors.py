@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megatrain
 from megatrain.compiler.options import parse_bytes, parse_options
 from megatrain.models import Llama, LlamaConfig
+from .helpers import compile_streamed, parse_forced
 
 
 def tiny():
@@ -17,8 +19,7 @@ def tiny():
 def test_budget_too_small_for_one_region_names_the_bytes():
     model = tiny()
     before = [p.detach().clone() for p in model.parameters()]
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "gpu_memory": 1000})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": 1000})
     ids = torch.randint(0, 64, (1, 8))
     with pytest.raises(ValueError, match=r"gpu_memory=1000 bytes .* cannot hold even one region: region "
                                          r"'\S+' needs \d+ bytes"):
@@ -30,8 +31,7 @@ def test_budget_too_small_for_one_region_names_the_bytes():
 
 def test_budget_too_small_for_activations_names_the_minimum():
     model = tiny()
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "gpu_memory": 50_000,
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": 50_000,
                                   "lowering": "eager"})
     ids = torch.randint(0, 64, (8, 64))
     with pytest.raises(ValueError, match=r"too small: .* give gpu_memory >= \d+ bytes"):
@@ -40,7 +40,7 @@ def test_budget_too_small_for_activations_names_the_minimum():
 
 def test_parameters_off_the_cpu_are_refused():
     model = tiny().to("meta")  # stands in for CUDA on a machine without a GPU
-    step = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    step = compile_streamed(model, {"device": "cpu"})
     ids = torch.randint(0, 64, (1, 8), device="meta")
     with pytest.raises(ValueError, match=r"parameter '\S+' is on meta.*keep the model and its inputs on the CPU"):
         step(ids, labels=ids)
@@ -69,7 +69,7 @@ def test_inputs_off_the_cpu_are_refused():
 ])
 def test_options_are_validated(options, match):
     with pytest.raises(ValueError, match=match):
-        parse_options({"device": "cpu", **options} if "device" not in options else options)
+        parse_forced({"device": "cpu", **options} if "device" not in options else options)
 
 
 def test_sizes_parse():
@@ -101,7 +101,7 @@ def test_parameter_written_inside_forward_is_refused_naming_op_and_module():
 
     model = Drifting()
     before = model.lin.weight.detach().clone()
-    step = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    step = compile_streamed(model, {"device": "cpu", "lowering": "eager"})
     with pytest.raises(NotImplementedError, match=r"in-place 'mul_' on parameter 'lin.weight'"):
         step(torch.randn(2, 8))
     assert torch.equal(model.lin.weight.detach(), before)
@@ -128,7 +128,25 @@ def test_nested_compile_region_is_refused_naming_the_op_and_the_call():
                 x = _nested_block(x, layer.weight, layer.bias)
             return x.sum()
 
-    step = torch.compile(Blocks(), backend="megatrain", options={"device": "cpu", "lowering": "eager"})
+    step = compile_streamed(Blocks(), {"device": "cpu", "lowering": "eager"})
     with pytest.raises(NotImplementedError, match=r"nested_compile_region \(op invoke_subgraph.*in forward\).*"
                                                   r"remove the decorator"):
         step(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("name,value", [("updates", "resident"), ("lowering", "eager"), ("prefetch", 2),
+                                        ("backlog", "host"), ("keep_weights", True)])
+def test_a_decision_passed_as_an_option_is_refused_naming_the_config_knob(name, value):
+    """Options are device, gpu_memory and precision; the rest is megatrain's to decide, and
+    forcing a decision goes through megatrain.config, which the error names with the value."""
+    step = torch.compile(torch.nn.Linear(4, 4), backend="megatrain",
+                         options={"device": "cpu", name: value})
+    with pytest.raises(ValueError, match=rf"option {name}={value!r} is not a backend option any more.*"
+                                         rf"megatrain\.config\.patch\({name}={value!r}\)"):
+        step(torch.randn(2, 4))
+
+
+def test_a_forced_decision_is_validated_like_an_option():
+    step = torch.compile(torch.nn.Linear(4, 4), backend="megatrain", options={"device": "cpu"})
+    with megatrain.config.patch(updates="everywhere"), pytest.raises(ValueError, match=r"updates='everywhere'"):
+        step(torch.randn(2, 4))

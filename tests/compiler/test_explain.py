@@ -13,6 +13,7 @@ from megatrain.compiler import costs, ops
 from megatrain.compiler.planner import Plan as PlannerPlan
 from megatrain.compiler.validate import validate
 from megatrain.models import Llama, LlamaConfig
+from .helpers import compile_streamed
 
 OPTS = {"device": "cpu", "precision": "fp32", "lowering": "eager"}
 
@@ -30,7 +31,7 @@ def llama(layers: int) -> Llama:
 
 
 def trained_step(layers: int, **options):
-    step = torch.compile(llama(layers), backend="megatrain", options={**OPTS, **options})
+    step = compile_streamed(llama(layers), {**OPTS, **options})
     ids = torch.randint(0, 96, (2, 8))
     step(ids, labels=ids).backward()
     return step
@@ -130,7 +131,7 @@ class FakeEvent:
 
 def test_inference_plans_a_forward_only_step():
     with torch.no_grad():
-        step = torch.compile(llama(2), backend="megatrain", options=OPTS)
+        step = compile_streamed(llama(2), OPTS)
         step(torch.randint(0, 96, (2, 8)))
     g = megatrain.explain(step).graphs[0]
     assert g.schedule.plan.schedule.problem.training is False

@@ -18,7 +18,7 @@ from torch import nn
 import megatrain
 from megatrain.runtime import streamer as streamer_mod
 
-from .helpers import flat, rel
+from .helpers import compile_streamed, flat, rel
 
 
 class _SplitLayer(nn.Module):
@@ -45,7 +45,7 @@ class _SplitStack(nn.Module):
 
 
 def _train(model, steps, options, fast_path, misses=None):
-    step = torch.compile(model, backend="megatrain", options=options)
+    step = compile_streamed(model, options)
     opt = (megatrain.AdamW if fast_path else torch.optim.AdamW)(model.parameters(), lr=1e-2)
     losses, grads = [], None
     for i in range(steps):
@@ -124,7 +124,7 @@ def test_the_debug_check_compares_every_fetched_buffer_with_its_master(monkeypat
     model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(3)), nn.Linear(32, 1))
     loss_of = lambda m: (lambda x: m(x).pow(2).mean())  # noqa: E731
     with megatrain.config.patch(check_fetched_weights=True):
-        step = torch.compile(loss_of(model), backend="megatrain", options=OPTIONS)
+        step = compile_streamed(loss_of(model), OPTIONS)
         step(torch.randn(4, 32)).backward()
 
         start = streamer_mod.Streamer._start_fetch
@@ -136,7 +136,7 @@ def test_the_debug_check_compares_every_fetched_buffer_with_its_master(monkeypat
 
         monkeypatch.setattr(streamer_mod.Streamer, "_start_fetch", corrupting)
         torch._dynamo.reset()
-        step = torch.compile(loss_of(copy.deepcopy(model)), backend="megatrain", options=OPTIONS)
+        step = compile_streamed(loss_of(copy.deepcopy(model)), OPTIONS)
         with pytest.raises(RuntimeError, match="differs from its host master"):
             step(torch.randn(4, 32))
 

@@ -22,7 +22,7 @@ import megatrain
 from megatrain.compiler.planner import InfeasibleBudget
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import rel, random_batches, train_side_by_side
+from .helpers import compile_streamed, rel, random_batches, train_side_by_side
 
 CFG = LlamaConfig(vocab_size=512, hidden=8, layers=2, heads=2, kv_heads=1, ffn=16,
                   rope_theta=10000.0)
@@ -37,7 +37,7 @@ def options(budget: int, **extra) -> dict:
 def min_budget(model, budget: int, **extra) -> InfeasibleBudget:
     """The InfeasibleBudget of one step of `model` compiled with `budget`."""
     torch._dynamo.reset()
-    step = torch.compile(model, backend="megatrain", options=options(budget, **extra))
+    step = compile_streamed(model, options(budget, **extra))
     ids, labels = random_batches(CFG.vocab_size, 1, BATCH, SEQ)[0]
     with pytest.raises(InfeasibleBudget) as info:
         step(ids, labels=labels)
@@ -91,7 +91,7 @@ def test_no_retry_when_the_budget_fits(budgets):
     """Enough memory without the fused loss: Inductor's (here eager) loss, no note."""
     torch.manual_seed(0)
     model = Llama(CFG)
-    step = torch.compile(model, backend="megatrain", options=options(2 * budgets["unfused"]))
+    step = compile_streamed(model, options(2 * budgets["unfused"]))
     ids, labels = random_batches(CFG.vocab_size, 1, BATCH, SEQ)[0]
     step(ids, labels=labels).backward()
     graph = megatrain.explain(step).graphs[0]

@@ -20,7 +20,7 @@ from megatrain.models import Llama
 from megatrain.optim.functional import PIECE_ALIGN
 from megatrain.runtime.grad_ring import GradRing
 
-from .helpers import SMALL_VOCAB, breaking_llama, random_batches, small_llama_config, train_megatrain
+from .helpers import compile_streamed, SMALL_VOCAB, breaking_llama, random_batches, small_llama_config, train_megatrain
 
 VOCAB = SMALL_VOCAB
 
@@ -170,10 +170,8 @@ def test_grad_chunk_option_is_checked():
     model = llama(layers=1)
     for bad, match in [(100, "at least"), ("12 apples", "not a size")]:
         with pytest.raises(MegatrainValueError, match=match):
-            step = torch.compile(copy.deepcopy(model), backend="megatrain",
-                                 options={"device": "cpu", "grad_chunk": bad})
+            step = compile_streamed(copy.deepcopy(model), {"device": "cpu", "grad_chunk": bad})
             step(*random_batches(VOCAB, 1, batch=1, seq=8)[0])
     with pytest.raises(MegatrainValueError, match="with backlog=.device.*drop one"):
-        step = torch.compile(copy.deepcopy(model), backend="megatrain",
-                             options={"device": "cpu", "grad_chunk": "1MiB", "backlog": "device"})
+        step = compile_streamed(copy.deepcopy(model), {"device": "cpu", "grad_chunk": "1MiB", "backlog": "device"})
         step(*random_batches(VOCAB, 1, batch=1, seq=8)[0])

@@ -25,7 +25,7 @@ import torch
 
 import megatrain
 
-from .helpers import flat, param_bytes, rel
+from .helpers import compile_streamed, flat, param_bytes, rel
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
 
@@ -170,8 +170,7 @@ def _trains_like_eager(build, inputs, stacks, lowering, breaks=False):
     model.train()
     ref = copy.deepcopy(model)
     budget = int(0.49 * param_bytes(model))
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": lowering,
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": lowering,
                                   "gpu_memory": budget})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

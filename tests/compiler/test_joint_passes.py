@@ -18,7 +18,7 @@ import torch
 import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import cpu_peak_bytes, flat, random_batches, rel
+from .helpers import compile_streamed, cpu_peak_bytes, flat, random_batches, rel
 
 CFG = LlamaConfig(vocab_size=8192, hidden=64, layers=2, heads=4, kv_heads=4, ffn=172,
                   rope_theta=10000.0)
@@ -41,7 +41,7 @@ def _train(device: str, joint_passes: bool, batches):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Llama(CFG)
-    step = torch.compile(model, backend="megatrain", options={"device": device, "precision": "bf16"})
+    step = compile_streamed(model, {"device": device, "precision": "bf16"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # leaves gradients in p.grad
     losses, peaks, grads = [], [], None
     with torch._inductor.config.patch(use_joint_graph_passes=joint_passes):
@@ -115,8 +115,7 @@ def test_rewritten_nodes_stay_in_their_region_and_nothing_more_is_saved():
     def saved(joint_passes: bool):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        step = torch.compile(_Stack(), backend="megatrain",
-                             options={"device": "cpu", "precision": "fp32", "lowering": "inductor"})
+        step = compile_streamed(_Stack(), {"device": "cpu", "precision": "fp32", "lowering": "inductor"})
         with torch._inductor.config.patch(use_joint_graph_passes=joint_passes):
             loss = step(x)
             loss.backward()

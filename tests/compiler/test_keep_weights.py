@@ -15,7 +15,7 @@ import megatrain
 from megatrain.errors import MegatrainValueError
 from megatrain.models import Llama
 
-from .helpers import SMALL_VOCAB, breaking_llama, flat, random_batches, small_llama_config, train_megatrain
+from .helpers import compile_streamed, SMALL_VOCAB, breaking_llama, flat, random_batches, small_llama_config, train_megatrain
 
 VOCAB = SMALL_VOCAB
 
@@ -67,7 +67,7 @@ def test_a_forward_without_backward_gives_its_kept_weights_back():
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         opt = megatrain.AdamW(model.parameters(), lr=3e-3)
-        step = torch.compile(model, backend="megatrain", options=options(keep))
+        step = compile_streamed(model, options(keep))
         losses = []
         for ids, labels in batches:
             step(ids, labels=labels)  # dropped: no backward
@@ -89,7 +89,7 @@ def test_a_forward_without_backward_gives_its_kept_weights_back():
 
 def test_keep_weights_option_is_checked():
     with pytest.raises(MegatrainValueError, match="keep_weights='yes'"):
-        torch.compile(llama(False), backend="megatrain", options={"device": "cpu", "keep_weights": "yes"})(
+        compile_streamed(llama(False), {"device": "cpu", "keep_weights": "yes"})(
             torch.zeros(1, 4, dtype=torch.long))
 
 

@@ -14,7 +14,7 @@ import torch
 import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import cpu_peak_bytes, least_budgets, random_batches
+from .helpers import compile_streamed, cpu_peak_bytes, least_budgets, random_batches
 
 CONFIG = LlamaConfig(vocab_size=512, hidden=128, layers=4, heads=4, kv_heads=4, ffn=344,
                      rope_theta=10000.0)
@@ -24,8 +24,7 @@ def _compiled(options, lowering="inductor"):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": lowering, **options})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": lowering, **options})
     return step, megatrain.AdamW(model.parameters(), lr=1e-3)
 
 

@@ -15,7 +15,7 @@ import torch
 import megatrain
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import breaking_llama, flat, rel, random_batches, small_llama_config
+from .helpers import compile_streamed, breaking_llama, flat, rel, random_batches, small_llama_config
 
 
 def model(tied=True):
@@ -30,8 +30,7 @@ def _pair(lowering="eager", **opt_kwargs):
     # eps=1e-5: see test_graph_breaks_with_the_optimizer_fast_path.
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
     opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5, **opt_kwargs)
-    step = torch.compile(streamed, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": lowering})
+    step = compile_streamed(streamed, {"device": "cpu", "precision": "fp32", "lowering": lowering})
     return ref, opt_ref, streamed, opt, step
 
 
@@ -158,8 +157,7 @@ def test_graph_breaks_with_the_optimizer_fast_path(where, micro_batches):
     # (max 1.5e-6 over 40 seeds) while a misrouted gradient still moves elements by ~lr.
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
     opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-5)
-    step = torch.compile(streamed, backend="megatrain",
-                         options={"device": "cpu", "precision": "fp32", "lowering": "eager"})
+    step = compile_streamed(streamed, {"device": "cpu", "precision": "fp32", "lowering": "eager"})
     batches = random_batches(160, 3 * micro_batches, batch=2, seq=16)
     with pytest.warns(UserWarning, match="graph break"):
         for s in range(3):

@@ -19,7 +19,7 @@ import megatrain
 from megatrain.models import Llama
 from megatrain.optim import resident as resident_mod
 
-from .helpers import SMALL_VOCAB as VOCAB
+from .helpers import compile_streamed, SMALL_VOCAB as VOCAB
 from .helpers import flat, random_batches, rel, small_llama_config, train_eager
 
 
@@ -37,7 +37,7 @@ def compiled(model, updates, *, max_grad_norm=None, skip_nonfinite=False, **opti
     torch._dynamo.reset()
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm,
                           skip_nonfinite=skip_nonfinite)
-    step = torch.compile(model, backend="megatrain", options={
+    step = compile_streamed(model, {
         "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates, **options})
     return opt, step
 
@@ -302,7 +302,7 @@ def test_another_graph_placing_resident_regions_sends_the_first_home():
     assert resident_a.regions
     b = copy.deepcopy(second)
     opt_b = megatrain.AdamW(b.parameters(), lr=3e-3)
-    step_b = torch.compile(b, backend="megatrain", options={
+    step_b = compile_streamed(b, {
         "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": "resident"})
     graph_a = megatrain.explain(step_a).graphs[0]
     assert graph_a.predicted_schedule is not graph_a.schedule.plan.schedule

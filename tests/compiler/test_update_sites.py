@@ -18,14 +18,13 @@ import torch
 
 import megatrain
 from megatrain.compiler import costs
-from megatrain.compiler.options import parse_options
 from megatrain.optim import device_update as du
 from megatrain.runtime.device_updates import DeviceUpdates
 from megatrain.runtime.host_store import home_parameters
 from megatrain.runtime.pool import DevicePool
 from megatrain.models import Llama, LlamaConfig
 
-from .helpers import flat, rel, random_batches, train_eager
+from .helpers import compile_streamed, flat, parse_forced, rel, random_batches, train_eager
 
 VOCAB = 160
 
@@ -62,7 +61,7 @@ def train(model, updates, batches, *, max_grad_norm=None, **options):
     model = copy.deepcopy(model)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
     spy = Spy(opt)
-    step = torch.compile(model, backend="megatrain", options={
+    step = compile_streamed(model, {
         "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates, **options})
     losses = []
     for ids, labels in batches:
@@ -158,7 +157,7 @@ def test_gradient_accumulation_takes_the_host_path_and_stays_exact():
         streamed = copy.deepcopy(model)
         opt = megatrain.AdamW(streamed.parameters(), lr=3e-3, weight_decay=0.1)
         spy = Spy(opt)
-        step = torch.compile(streamed, backend="megatrain", options={
+        step = compile_streamed(streamed, {
             "device": "cpu", "precision": "fp32", "lowering": "eager", "updates": updates})
         for _ in range(2):
             with opt.accumulate():
@@ -194,8 +193,8 @@ def test_device_regions_must_fit_the_memory_the_plan_leaves():
 @pytest.mark.parametrize("value", ["optimizer", None, True])
 def test_a_bad_updates_value_is_refused(value):
     with pytest.raises(ValueError, match=r"updates=.* use one of \('auto', 'host', 'device', 'resident'\)"):
-        parse_options({"device": "cpu", "updates": value})
-    step = torch.compile(llama(), backend="megatrain", options={"device": "cpu", "updates": value})
+        parse_forced({"device": "cpu", "updates": value})
+    step = compile_streamed(llama(), {"device": "cpu", "updates": value})
     ids = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(ValueError, match=rf"updates={value!r}: use one of"):
         step(ids, labels=ids)

@@ -15,7 +15,7 @@ from megatrain.errors import MegatrainValueError
 from megatrain.models import Llama
 from megatrain.optim import functional
 
-from .helpers import SMALL_VOCAB, flat, random_batches, small_llama_config, train_megatrain
+from .helpers import compile_streamed, SMALL_VOCAB, flat, random_batches, small_llama_config, train_megatrain
 
 
 def options(shadow: bool, **more) -> dict:
@@ -81,7 +81,7 @@ def test_a_write_outside_the_optimizer_makes_the_shadow_stale():
         copy = Llama(small_llama_config(2))
         copy.load_state_dict(model.state_dict())
         opt = megatrain.AdamW(copy.parameters(), lr=3e-3, weight_decay=0.1)
-        step = torch.compile(copy, backend="megatrain", options=options(shadow))
+        step = compile_streamed(copy, options(shadow))
         losses = [_step(step, opt, *b) for b in batches[:2]]
         opt.synchronize()
         with torch.no_grad():
@@ -157,7 +157,6 @@ def test_weight_shadow_option_is_checked():
     model = Llama(small_llama_config(2))
     ids = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(MegatrainValueError, match="weight_shadow='yes'"):
-        torch.compile(model, backend="megatrain", options={"device": "cpu", "weight_shadow": "yes"})(ids)
+        compile_streamed(model, {"device": "cpu", "weight_shadow": "yes"})(ids)
     with pytest.raises(MegatrainValueError, match="weight_shadow=True with precision='fp32'"):
-        torch.compile(model, backend="megatrain",
-                      options={"device": "cpu", "precision": "fp32", "weight_shadow": True})(ids)
+        compile_streamed(model, {"device": "cpu", "precision": "fp32", "weight_shadow": True})(ids)

@@ -18,6 +18,7 @@ from megatrain.distributed import ShardedAdamW
 
 from . import _worker
 from .test_torchrun import EXAMPLE, _finish, _rel, _start
+from ..compiler.helpers import compile_streamed
 
 pytestmark = pytest.mark.gpu
 
@@ -42,8 +43,8 @@ def test_nccl_staged_collectives_match_megatrain_adamw(nccl_one_rank):
     opt_b = ShardedAdamW(model_b.parameters(), lr=1e-2, weight_decay=0.1, timeout=60)
     assert opt_b._comm.device.type == "cuda" and opt_b._comm.native_reduce_scatter
     opt_b._comm.block_numel = 1000  # several staged blocks per region
-    step_a = torch.compile(model_a, backend="megatrain", options=options)
-    step_b = torch.compile(model_b, backend="megatrain", options=options)
+    step_a = compile_streamed(model_a, options)
+    step_b = compile_streamed(model_b, options)
     batches = _worker.global_batches(4)
     _worker.train(step_a, model_a, opt_a, batches)
     _worker.train(step_b, model_b, opt_b, batches)

@@ -16,7 +16,7 @@ import megatrain
 from megatrain.compiler.planner import _program, _Shape, describe_live, live_at, program_peak
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import (assert_streams_each_weighted_region_once, least_budgets, param_bytes, rel,
+from ..compiler.helpers import (compile_streamed, assert_streams_each_weighted_region_once, least_budgets, param_bytes, rel,
                                 random_batches, train_side_by_side)
 from ..compiler.test_backend_cpu import MODELS
 from .results import allocations, blocks_at_peak, record_result
@@ -49,7 +49,7 @@ def test_cuda_bf16_tracks_eager_autocast():
     model = Llama(cfg)
     ref = Llama(cfg).cuda()
     ref.load_state_dict(model.state_dict())
-    step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "bf16"})
+    step = compile_streamed(model, {"device": "cuda", "precision": "bf16"})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = random_batches(512, 20, batch=4, seq=64)
@@ -76,7 +76,7 @@ def _peak_of_one_step(layers: int, budget_fraction: float | None = None):
     opts = {"device": "cuda", "precision": "bf16"}
     if budget:
         opts["gpu_memory"] = budget
-    step = torch.compile(model, backend="megatrain", options=opts)
+    step = compile_streamed(model, opts)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     # 64 tokens: saved boundary activations (one residual stream per layer) stay small next
     # to the weights in flight, so the peak shows whether weights grow with depth.
@@ -120,7 +120,7 @@ def test_peak_is_flat_in_depth():
 def test_cuda_parameters_are_refused():
     model = Llama(LlamaConfig(vocab_size=64, hidden=32, layers=2, heads=2, kv_heads=2, ffn=64,
                               rope_theta=10000.0)).cuda()
-    step = torch.compile(model, backend="megatrain", options={"device": "cuda"})
+    step = compile_streamed(model, {"device": "cuda"})
     ids = torch.randint(0, 64, (1, 8), device="cuda")
     with pytest.raises(ValueError, match=r"is on cuda.*keep the model and its inputs on the CPU"):
         step(ids, labels=ids)
@@ -138,7 +138,7 @@ def test_mutated_buffer_is_written_back():
             return self.lin(x).square().mean()
 
     m = Counting()
-    step = torch.compile(m, backend="megatrain", options={"device": "cuda", "precision": "fp32"})
+    step = compile_streamed(m, {"device": "cuda", "precision": "fp32"})
     for _ in range(3):
         step(torch.randn(4, 16)).backward()
     assert m.calls.item() == 3 and m.calls.device.type == "cpu"
@@ -154,7 +154,7 @@ def test_cuda_fast_path_with_megatrain_adamw_matches_eager():
     ref = copy.deepcopy(model).cuda()
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "fp32"})
+    step = compile_streamed(model, {"device": "cuda", "precision": "fp32"})
     for ids, labels in random_batches(160, 3, batch=2, seq=24):
         loss_ref = ref(ids.cuda(), labels=labels.cuda())
         loss_ref.backward()
@@ -211,7 +211,7 @@ def test_prefetch_hides_the_graph_break_on_cuda(tmp_path):
     # enough tokens that compute (~1 ms per layer forward) can hide it.
     model = Halves(LlamaConfig(vocab_size=4096, hidden=1024, layers=6, heads=8, kv_heads=4, ffn=2816,
                                rope_theta=10000.0))
-    step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "bf16"})
+    step = compile_streamed(model, {"device": "cuda", "precision": "bf16"})
     opt = megatrain.AdamW(model.parameters(), lr=1e-4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the graph-break warning is expected
@@ -250,7 +250,7 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
         torch._dynamo.reset()
         torch.manual_seed(1)
         model = Llama(cfg)
-        step = torch.compile(model, backend="megatrain", options={"device": "cuda", "precision": "fp32", **options})
+        step = compile_streamed(model, {"device": "cuda", "precision": "fp32", **options})
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses, peak = [], 0
         for i, (ids, labels) in enumerate(data):

@@ -24,6 +24,7 @@ import megatrain
 from megatrain.optim import engine
 
 from .compare import assert_runs_agree, seeded_llama_and_batches
+from ..compiler.helpers import compile_streamed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -44,8 +45,7 @@ def _train(model, batches, backlog: str | None, precision: str):
     torch._dynamo.reset()
     model = copy.deepcopy(model)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cuda", "precision": precision, "backlog": backlog})
+    step = compile_streamed(model, {"device": "cuda", "precision": precision, "backlog": backlog})
     losses, deferred = [], []
     for ids, labels in batches:
         loss = step(ids, labels=labels)

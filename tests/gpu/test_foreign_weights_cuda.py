@@ -10,7 +10,7 @@ import torch
 
 import megatrain
 
-from ..compiler.helpers import flat, rel
+from ..compiler.helpers import compile_streamed, flat, rel
 from ..compiler.test_foreign_weights import _SplitStack
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32"),
@@ -22,8 +22,7 @@ def test_cuda_break_inside_each_layer_trains_each_layer_with_its_own_weights(fas
     torch.manual_seed(0)
     model = _SplitStack()
     ref = copy.deepcopy(model).cuda()
-    step = torch.compile(model, backend="megatrain",
-                         options={"device": "cuda", "precision": "fp32", "gpu_memory": 1 << 30})
+    step = compile_streamed(model, {"device": "cuda", "precision": "fp32", "gpu_memory": 1 << 30})
     opt = (megatrain.AdamW if fast_path else torch.optim.AdamW)(model.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with megatrain.config.patch(check_fetched_weights=True):

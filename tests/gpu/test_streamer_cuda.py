@@ -11,6 +11,7 @@ import megatrain
 from megatrain.runtime import streamer as streamer_mod
 from megatrain.runtime.host_store import home_parameters, is_page_locked
 from megatrain.runtime.layout import FlatLayout
+from ..compiler.helpers import compile_streamed
 
 pytestmark = pytest.mark.gpu
 
@@ -88,7 +89,7 @@ def test_first_backward_gives_back_what_the_pinned_allocator_caches_unused(monke
     cfg = LlamaConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=4, ffn=128)
     model = Llama(cfg)
     opt = megatrain.AdamW(model.parameters(), lr=1e-3)  # gradients leave region by region
-    step = torch.compile(model, backend="megatrain", options={"device": "cuda", "lowering": "eager"})
+    step = compile_streamed(model, {"device": "cuda", "lowering": "eager"})
     ids = torch.randint(0, cfg.vocab_size, (2, 16))
     step(ids, labels=ids).backward()
     opt.step()

@@ -56,6 +56,7 @@ BAD = [
     (["--gpu-memory", "lots"], "--gpu-memory 'lots'"),
     (["--resume"], "--resume: no complete checkpoint"),
     (["--resume", "--overwrite"], "--resume and --overwrite conflict"),
+    (["--updates", "resident"], "--updates is not a flag any more: megatrain decides"),
 ]
 if not torch.cuda.is_available():
     BAD.append((["--device", "cuda"], "no CUDA GPU"))

@@ -90,7 +90,7 @@ def test_compile_path_passes_options(tmp_path, monkeypatch):
     assert main(["train", "--compile", "megatrain", "--device", "cpu", "--precision", "fp32",
                  "--seq", "32", "--batch-tokens", "128", "--no-progress", *args,
                  "--out", str(tmp_path / "m")]) == 0
-    assert seen and seen[0] == {"device": "cpu", "precision": "fp32", "updates": "host", "gpu_memory": "1GiB"}
+    assert seen and seen[0] == {"device": "cpu", "precision": "fp32", "gpu_memory": "1GiB"}
     le = [x["loss"] for x in rows(tmp_path / "e")]
     lm = [x["loss"] for x in rows(tmp_path / "m")]
     assert lm == pytest.approx(le, rel=1e-5)
@@ -121,9 +121,12 @@ def test_resume_is_bit_exact_with_the_megatrain_backend(tmp_path):
 
 
 def test_resident_updates_train_and_checkpoint_like_host_updates(tmp_path):
-    """`--updates resident` under the CLI's defaults (clipping at 1.0, so gradients wait on
-    the device for step()): on the CPU the same bits as `--updates host`, in the losses and
-    in the checkpoints (whose save brings the device state home)."""
+    """Resident AdamW state forced (megatrain.config.updates) under the CLI's defaults
+    (clipping at 1.0, so gradients wait on the device for step()): on the CPU the same bits
+    as every update on the host, in the losses and in the checkpoints (whose save brings the
+    device state home)."""
+    import megatrain.config
+
     try:
         loop.resolve_backend()
     except loop.RefusedError:
@@ -134,8 +137,9 @@ def test_resident_updates_train_and_checkpoint_like_host_updates(tmp_path):
     for updates in ("resident", "host"):
         torch._dynamo.reset()
         out = tmp_path / updates
-        assert main(["train", *SMALL, "--compile", "megatrain", "--steps", "4", "--save-every", "2",
-                     "--lr", "1e-2", "--updates", updates, "--out", str(out)]) == 0
+        with megatrain.config.patch(updates=updates):
+            assert main(["train", *SMALL, "--compile", "megatrain", "--steps", "4", "--save-every", "2",
+                         "--lr", "1e-2", "--out", str(out)]) == 0
         runs[updates] = out
     assert [x["loss"] for x in rows(runs["resident"])] == [x["loss"] for x in rows(runs["host"])]
     wr = _weights(checkpoint.latest_checkpoint(runs["resident"]))

@@ -20,7 +20,7 @@ stays as written. New nodes take the meta (nn_module_stack, stack_trace, ...) of
 whose value they replace, so regions put them in the module they came from, and a fresh
 `example_value` computed under dynamo's fake mode.
 
-Policy (issue 5): a kernel slower than Inductor's own code for its pattern is not used by
+Policy: a kernel slower than Inductor's own code for its pattern is not used by
 default. `DEFAULT` is the set used when `enabled` is not given; trim it from the GPU
 benchmark (bench/bench_kernels.py). The backend's own default is none (see DEFAULT's
 comment), except the fused loss when the memory budget needs it.

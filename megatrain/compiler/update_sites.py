@@ -1,6 +1,6 @@
 """Where each region's AdamW update runs: on the host (megatrain.AdamW's worker) or on the
 compute device (``AdamW.submit_on_device``: master, m, v streamed in, updated, streamed
-back). Issue 4, item 7; the cost model and the mechanism are megatrain.optim.device_update.
+back). The cost model and the mechanism are megatrain.optim.device_update.
 
 Decided once per compiled graph pair, after the planner, from:
 

@@ -311,7 +311,7 @@ class AdamW(Optimizer):
         finally:
             self._accumulating -= 1
 
-    # ---- updates on the compute device (issue 4 item 7; megatrain.optim.device_update) --
+    # ---- updates on the compute device (megatrain.optim.device_update) --
 
     def submit_on_device(
         self,

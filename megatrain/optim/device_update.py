@@ -1,6 +1,6 @@
 """One region's AdamW step on the compute device instead of the host, and when to choose it.
 
-Issue 4, item 7: where a region's update runs is a planner choice. The host update reads
+Where a region's update runs is a planner choice. The host update reads
 and writes fp32 master, m and v in host memory (~28 bytes per parameter of host memory
 traffic). The device update moves the same three tensors over PCIe instead (12 bytes per
 parameter each way), runs the same kernel on the device and writes the results back:

@@ -53,7 +53,7 @@ def adamw_(
     (the streamer's bf16 weight shadow) that receives the updated values, cast chunk by
     chunk right after each chunk's update. Meant to find the chunk still in cache; it
     does not pay on the CPUs measured: 1.48x the plain update's time against 1.41x for a
-    separate cast pass (bench/results/NOTES.md, session 20)."""
+    separate cast pass (bench/results/NOTES.md)."""
     if not params:
         return
     torch._foreach_add_(steps, 1)

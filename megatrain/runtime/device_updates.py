@@ -1,5 +1,5 @@
 """The streamer's side of device-site updates: gradients kept on the device, one
-``AdamW.submit_on_device`` per region, their device bytes counted (issue 4, item 7).
+``AdamW.submit_on_device`` per region, their device bytes counted.
 
 For a region the plan put on the device (megatrain.compiler.update_sites):
 

@@ -106,7 +106,7 @@ def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     mapping of its own, advised onto 2 MiB transparent huge pages, and starts on a 2 MiB
     boundary. Why: the host AdamW and the DMA stream these arrays every step, and torch's
     allocator leaves them on 4 KiB pages where THP is "madvise" (a common default): torch's
-    fused CPU AdamW ran 12-18% faster on huge pages (bench/results/NOTES.md, session 16).
+    fused CPU AdamW ran 12-18% faster on huge pages (bench/results/NOTES.md).
     Why aligned: only whole aligned 2 MiB windows of a mapping can be huge pages, and
     where the kernel puts a mapping depends on its version and its length (a 3 MiB one
     holds no aligned window about half the time), so the mapping is one huge page longer
@@ -213,7 +213,7 @@ def host_views(layout: FlatLayout, dtype: torch.dtype, pin: bool) -> list[torch.
     (AdamW's weight shadows): page-locked pages stay locked until the last view is
     collected. Why not `layout.views(host_buffer(...))`: `page_locked_tensor` unlocks when
     the flat tensor object is collected, which is as soon as the caller drops it, while the
-    views still read the memory (H200, session 20: every shadowed fetch then fell to the
+    views still read the memory (on the H200 every shadowed fetch then fell to the
     pageable host-cast path)."""
     if not pin:
         return layout.views(host_zeros(layout.numel, dtype))
@@ -246,7 +246,7 @@ def release_unused_pinned_blocks() -> None:
     block is gone before the optimizer's moments exist, so it does not add to the step's
     host peak. Not gated on the allocator's "active" bytes: a block freed with copies
     queued on it counts as active until an allocation or an empty-cache checks their
-    events (so such a gate never fires; H200, session 10). Blocks whose copies have not
+    events (so such a gate never fires; seen on the H200). Blocks whose copies have not
     completed are kept, so no sync is needed; with nothing to free, the empty-cache only
     queries those events."""
     if pinned_allocator_bytes() > 0:
@@ -257,7 +257,7 @@ def release_cached_pinned_blocks(device: torch.device | None = None) -> None:
     """`release_unused_pinned_blocks` after a device sync (a block freed with copies still
     queued is reusable only once they complete) and a garbage collection (a block whose
     tensor only a reference cycle holds): the streamer's backstop at the end of the first
-    backward. On the H200 (session 10) a block that stayed in use after this was held by
+    backward. On the H200 a block that stayed in use after this was held by
     bench/train.py's own watch of the allocator (it kept the other threads' frames)."""
     if pinned_allocator_bytes() > 0:  # else nothing to give back: no sync, no collection
         torch.cuda.synchronize(device)

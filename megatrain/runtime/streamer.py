@@ -192,8 +192,8 @@ class StepStats:
         was in when each began: how many, their parameters and busy seconds. Why: whether
         the host's update rate falls while the forward's weight copies read host memory
         beside it, which decides what overlapping updates with the forward is worth (the
-        device backlog's updates took twice as long at 1.3B; bench/results/NOTES.md,
-        session 11). Host clock: a phase starts when the host thread got there, ahead of
+        device backlog's updates took twice as long at 1.3B; bench/results/NOTES.md). Host
+        clock: a phase starts when the host thread got there, ahead of
         the GPU by what it has queued."""
         marks = sorted((t, name) for name, t in self.phase_starts.items())
         out: dict[str, dict[str, float]] = {}
@@ -360,7 +360,7 @@ class Streamer:
         Why: the plan's peak is an upper bound, and a loose one where Inductor fuses what
         the planner's walk counts as separate tensors: at 1.3B/16k it counts three fp32
         [tokens, vocab] tensors in the loss's backward that Inductor never makes, ~5 GiB
-        of the 12 GiB budget (bench/results/NOTES.md, session 12). Static shapes repeat the
+        of the 12 GiB budget (bench/results/NOTES.md). Static shapes repeat the
         same step, so the second whole step's allocator peak (``measured_peak``: every
         byte allocated on the device at the step's high-water mark, whoever holds it; the
         first step also adopts resident state and autotunes) is what later steps need,
@@ -387,7 +387,7 @@ class Streamer:
     def shrink_reserve(self, measured_peak: int) -> None:
         """A measured step went over gpu_memory: the plan's peak, which the reserve was
         sized against, counted short (at 3B/16k with the fused loss the step's allocator
-        peak was 20.2-21.5 GiB with a 20 GiB budget: bench/results/NOTES.md, session 19).
+        peak was 20.2-21.5 GiB with a 20 GiB budget: bench/results/NOTES.md).
         The excess is what the step must shed to peak ``gpu_memory/16`` below the budget
         (the margin grow_reserve keeps): resident regions go home, the last admitted
         first, until their bytes cover it, and the reserve shrinks by the excess, so
@@ -871,7 +871,7 @@ class Streamer:
             if self.cuda:
                 # Timed piece by piece: the host may wait for a free chunk between two
                 # pieces, and a pair around the whole gradient counted that wait as copying
-                # (session 9 read the ring's copies as 2.4x slower that way).
+                # (the ring's copies read 2.4x slower that way on the H200).
                 with torch.cuda.stream(self.d2h_stream):
                     started = torch.cuda.Event(enable_timing=True)
                     started.record(self.d2h_stream)

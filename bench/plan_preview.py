@@ -193,7 +193,7 @@ def main(argv=None) -> int:
                         "compile does (resident: the regions whose state the reserve holds)")
     p.add_argument("--rates", default=None,
                    help="plan with these rates instead of this machine's: a JSON object of "
-                        "megatrain.compiler.costs.Rates, or a bench/results/train.jsonl row "
+                        "megatrain.plan.costs.Rates, or a bench/results/train.jsonl row "
                         "(its planned_rates), inline or in a file")
     args = p.parse_args(argv)
     schedule, error, sites = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
@@ -221,7 +221,7 @@ def _rates(arg: str | None):
     """Rates from --rates: inline JSON or a file, a Rates object or a row holding one."""
     import json
 
-    from megatrain.compiler.costs import Rates
+    from megatrain.plan.costs import Rates
 
     if arg is None:
         return None
@@ -233,7 +233,7 @@ def _rates(arg: str | None):
 def peak_contents(plan) -> str:
     """What the planner counts live where its schedule peaks, largest first: what a leaner
     plan would have to shrink (the same words as a refused budget's error)."""
-    from megatrain.compiler import planner
+    from megatrain.plan import planner
 
     at = plan.schedule.peak_at
     if at is None:

@@ -50,7 +50,7 @@ def rows_to_check(path: Path, models: list[str] | None = None, since: str | None
 def replan(row: dict, cache: dict) -> dict:
     """The row's plan again, with its rates: predicted step with every update on the host,
     and with its update sites (live resident count applied); None where no plan fits."""
-    from megatrain.compiler.costs import Rates
+    from megatrain.plan.costs import Rates
 
     rates = Rates.from_json(row["planned_rates"])
     kernels = row.get("kernels") or None  # "a,b" in the rows (a list in older ones)

@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ..runtime.layout import FlatLayout
 from . import ops
-from .planner import Transfer
+from ..plan.planner import Transfer
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import timeline as timeline_mod
+from ..plan import timeline as timeline_mod
 from .regions import Region
 
 

@@ -41,7 +41,7 @@ from ..runtime.layout import ALIGN_ELEMENTS
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
 from .partition import region_of
-from .planner import Problem, RegionSpec, RegionUse, Weight
+from ..plan.planner import Problem, RegionSpec, RegionUse, Weight
 
 
 _FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here

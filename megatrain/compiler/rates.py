@@ -13,7 +13,7 @@ import json
 import torch
 
 from ..runtime import probe
-from .costs import CPU, H200, Rates
+from ..plan.costs import CPU, H200, Rates
 
 
 def compile_rates(device: torch.device) -> Rates:

@@ -20,12 +20,12 @@ import torch
 import torch.fx as fx
 
 from ..errors import format_bytes
-from .costs import Rates
-from .planner import (ACTIVATION_KINDS, WEIGHT_KINDS, InfeasibleBudget, Plan, PlannerOptions, Transfer,
+from ..plan.costs import Rates
+from ..plan.planner import (ACTIVATION_KINDS, WEIGHT_KINDS, InfeasibleBudget, Plan, PlannerOptions, Transfer,
                       graph_events, plan_step)
 from .problem import StepProblem, build_problem
 from .rates import compile_rates
-from .validate import validate
+from ..plan.validate import validate
 
 
 @dataclass

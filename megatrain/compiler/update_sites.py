@@ -52,8 +52,8 @@ import torch
 
 from ..optim import device_update as du
 from ..optim import resident
-from .costs import Rates
-from .planner import Problem, Schedule, simulate, with_update_sites
+from ..plan.costs import Rates
+from ..plan.planner import Problem, Schedule, simulate, with_update_sites
 
 UPDATES = ("auto", "host", "device", "resident")
 

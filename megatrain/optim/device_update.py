@@ -52,13 +52,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor
 
-from megatrain.compiler.costs import ADAMW_BYTES_PER_PARAM, DEVICE_LINK_BYTES, host_bandwidth
+from megatrain.plan.costs import ADAMW_BYTES_PER_PARAM, DEVICE_LINK_BYTES, host_bandwidth
 from megatrain.optim import checks, functional
 from megatrain.runtime.host_store import host_zeros, is_page_locked, page_locked
 from megatrain.runtime.layout import FlatLayout
 
 if TYPE_CHECKING:
-    from megatrain.compiler.costs import Rates
+    from megatrain.plan.costs import Rates
 
 Site = Literal["host", "device"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiler.costs import Rates
+from ..plan.costs import Rates
 from .host_store import host_buffer
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.compiler import costs, ops
-from megatrain.compiler.planner import Plan as PlannerPlan
-from megatrain.compiler.validate import validate
+from megatrain.compiler import ops
+from megatrain.plan import costs
+from megatrain.plan.planner import Plan as PlannerPlan
+from megatrain.plan.validate import validate
 from megatrain.models import Llama, LlamaConfig
 from .helpers import compile_streamed
 

@@ -41,7 +41,7 @@ def test_preview_shows_which_regions_the_reserve_makes_resident():
 def test_preview_plans_with_a_gpu_runs_rates_and_times_the_sites():
     """--rates: the plan as a GPU run's rates make it (a row's planned_rates); with update
     sites the step is timed as the runtime runs it: all resident, no host updates left."""
-    from megatrain.compiler.costs import H200
+    from megatrain.plan.costs import H200
 
     schedule, error, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB",
                                      updates="resident", rates=H200)
@@ -61,7 +61,7 @@ def test_prediction_check_replans_a_recorded_row_with_its_rates(tmp_path, capsys
     (the recorded one is what the bench stored), with its live resident count applied."""
     import json
 
-    from megatrain.compiler.costs import H200
+    from megatrain.plan.costs import H200
 
     import prediction_check
 

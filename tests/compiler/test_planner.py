@@ -16,8 +16,8 @@ import sympy
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from megatrain.compiler.costs import H200, Rates, link_rates
-from megatrain.compiler.planner import (
+from megatrain.plan.costs import H200, Rates, link_rates
+from megatrain.plan.planner import (
     InfeasibleBudget,
     PlanConfig,
     PlannerOptions,
@@ -29,7 +29,7 @@ from megatrain.compiler.planner import (
     simulate,
     with_update_sites,
 )
-from megatrain.compiler.validate import ScheduleInvalid, min_budget, validate, violations
+from megatrain.plan.validate import ScheduleInvalid, min_budget, validate, violations
 from megatrain.errors import MegatrainValueError
 
 SCALE = float(os.environ.get("MEGATRAIN_PLANNER_SCALE", "1"))
@@ -196,7 +196,7 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
     """Not only the planner's pick: any point of the search space is a valid schedule."""
     offloadable = [r.id for r in problem.regions if any(r.id in c.inputs for c in problem.regions)] \
         if problem.training else []
-    from megatrain.compiler.planner import _Shape
+    from megatrain.plan.planner import _Shape
 
     keepable = _Shape(problem).keepable
     cfg = PlanConfig(slots=data.draw(st.integers(1, 4)),
@@ -216,7 +216,7 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
 @given(problem=problems(max_regions=8), rates=rates_st, data=st.data())
 def test_peak_curve_matches_the_program_walk(problem, rates, data):
     """The planner's fast peak (prefix sums over one program) equals walking each program."""
-    from megatrain.compiler.planner import _PeakCurve, _program, _Shape, program_peak
+    from megatrain.plan.planner import _PeakCurve, _program, _Shape, program_peak
 
     sh = _Shape(problem)
     curve = _PeakCurve(sh, data.draw(st.integers(1, 3)), data.draw(st.one_of(st.none(), st.integers(0, 2))),
@@ -293,7 +293,7 @@ def test_infeasible_budget_names_the_minimum():
 @budget_settings(100)
 @given(problems(), st.integers(1, 3), st.integers(0, 1))
 def test_live_bytes_at_the_peak_sum_to_the_peak(problem, slots, lag):
-    from megatrain.compiler.planner import _program, _Shape, live_at, program_peak
+    from megatrain.plan.planner import _program, _Shape, live_at, program_peak
 
     sh = _Shape(problem)
     cfg = PlanConfig(slots, None, 0, lag, frozenset(sh.offloadable))
@@ -446,7 +446,7 @@ def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
     read); the backward fetches only the head; each kept buffer lives from the forward's
     prefetch to the backward's free, so the peak grows by what is kept beside the
     plain plan, and the predicted step is no slower, the host reading fewer masters."""
-    from megatrain.compiler.planner import _Shape
+    from megatrain.plan.planner import _Shape
 
     MB = 1 << 20
     w = [Weight(0, 8 * MB, MB)] + [Weight(i, 4 * MB, MB // 2) for i in range(1, 5)]

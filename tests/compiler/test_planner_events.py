@@ -12,12 +12,12 @@ from torch._subclasses import FakeTensorMode
 
 import megatrain  # noqa: F401  (registers the ops)
 from megatrain.compiler import ops, passes
-from megatrain.compiler.costs import H200
-from megatrain.compiler.planner import (PlanConfig, Problem, RegionUse, Transfer, graph_events, plan_step,
+from megatrain.plan.costs import H200
+from megatrain.plan.planner import (PlanConfig, Problem, RegionUse, Transfer, graph_events, plan_step,
                                         simulate)
 from megatrain.compiler.problem import build_problem
 from megatrain.compiler.schedule import schedule_step
-from megatrain.compiler.validate import min_budget
+from megatrain.plan.validate import min_budget
 from megatrain.runtime import streamer as streamer_mod
 
 aten = torch.ops.aten

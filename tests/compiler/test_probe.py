@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatrain.compiler.costs import Rates
+from megatrain.plan.costs import Rates
 from megatrain.runtime import probe
 
 TINY = probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 14, repeats=1)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from megatrain.compiler.costs import H200
-from megatrain.compiler.planner import Problem, plan_step
-from megatrain.compiler.timeline import Record, write_chrome_trace, write_measured_trace
+from megatrain.plan.costs import H200
+from megatrain.plan.planner import Problem, plan_step
+from megatrain.plan.timeline import Record, write_chrome_trace, write_measured_trace
 
 
 def _tracks(trace: dict) -> dict[int, str]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.compiler import costs
+from megatrain.plan import costs
 from megatrain.optim import device_update as du
 from megatrain.runtime.device_updates import DeviceUpdates
 from megatrain.runtime.host_store import home_parameters

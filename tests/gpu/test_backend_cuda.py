@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.compiler.planner import _program, _Shape, describe_live, live_at, program_peak
+from megatrain.plan.planner import _program, _Shape, describe_live, live_at, program_peak
 from megatrain.models import Llama, LlamaConfig
 
 from ..compiler.helpers import (compile_streamed, assert_streams_each_weighted_region_once, least_budgets, param_bytes, rel,

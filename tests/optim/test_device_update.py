@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megatrain.optim as mo
-from megatrain.compiler.costs import H200, Rates
+from megatrain.plan.costs import H200, Rates
 from megatrain.optim import device_update as du
 from megatrain.optim import functional
 from megatrain.optim.engine import HostWorker

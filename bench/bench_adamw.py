@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from _results import append_rows, run_metadata  # noqa: E402  (bench/ is sys.path[0])
 from megatrain.optim import AdamW  # noqa: E402
-from megatrain.runtime.host_store import available_host_bytes  # noqa: E402
+from megatrain.memory.host_store import available_host_bytes  # noqa: E402
 
 
 def rss_bytes() -> int:

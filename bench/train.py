@@ -332,7 +332,7 @@ def _pinned_holders(least: int = 256 << 20) -> dict:
 
     import torch
 
-    from megatrain.runtime.host_store import release_cached_pinned_blocks
+    from megatrain.memory.host_store import release_cached_pinned_blocks
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return {}
@@ -389,7 +389,7 @@ def _smaps_rollup(key: str) -> int:
 
 
 def _mem_available() -> int:
-    from megatrain.runtime.host_store import available_host_bytes
+    from megatrain.memory.host_store import available_host_bytes
 
     return available_host_bytes() or 0
 
@@ -423,7 +423,7 @@ def run_probe(args) -> dict:
     dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     h2d = _median_s(lambda: dst.copy_(src, non_blocking=True))
     n = 1 << 27
-    from megatrain.runtime.host_store import host_zeros
+    from megatrain.memory.host_store import host_zeros
 
     rates = {}
     # torch's allocator (what adamw_gbs, the issue's bound, always measured) and megatrain's
@@ -512,7 +512,7 @@ def _adamw_at_training_threads(n: int, pinned, device_buf) -> dict:
     in-training update rate is bound by its threads or by the copies' share of DRAM."""
     import torch
 
-    from megatrain.runtime.host_store import host_zeros
+    from megatrain.memory.host_store import host_zeros
 
     before = torch.get_num_threads()
     threads = max(1, before // 2)
@@ -562,7 +562,7 @@ def _streamers(plan) -> list:
 
 def _megatrain_stats(step_fn) -> dict:
     import megatrain
-    from megatrain.runtime import host_store
+    from megatrain.memory import host_store
 
     plan = megatrain.explain(step_fn)
     streamers = _streamers(plan)

@@ -21,7 +21,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from ..errors import MegatrainValueError, format_bytes
 from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
-from ..runtime.host_store import home_parameters
+from ..memory.host_store import home_parameters
 from . import explain as explain_mod
 from . import update_sites
 from .capture import check_inputs, rehome, source_line
@@ -85,7 +85,7 @@ def _warn_graph_breaks(gm: torch.fx.GraphModule) -> None:
 
 
 def _check_region_budget(regions, params, region_params, opts: Options) -> None:
-    from ..runtime.layout import FlatLayout
+    from ..memory.layout import FlatLayout
 
     itemsize = opts.compute_dtype.itemsize
     worst = None

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..runtime.layout import FlatLayout
+from ..memory.layout import FlatLayout
 from . import ops
 from ..plan.planner import Transfer
 

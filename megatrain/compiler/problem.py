@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from ..runtime.layout import ALIGN_ELEMENTS
+from ..memory.layout import ALIGN_ELEMENTS
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
 from .partition import region_of

@@ -72,7 +72,7 @@ from torch.optim import Optimizer
 
 from megatrain.optim import checks, functional
 from megatrain.optim.adamw import AdamW
-from megatrain.runtime.host_store import host_zeros, is_homed
+from megatrain.memory.host_store import host_zeros, is_homed
 
 from .comm import Collectives, as_timedelta, backend_takes_cpu_tensors
 from .launch import default_timeout

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatrain.runtime.host_store import host_zeros
+from megatrain.memory.host_store import host_zeros
 
 # Tags stay small so that world * tag is exact in fp32 (< 2**24) up to 2048 ranks.
 _TAG_MOD = 8191

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from megatrain.optim import checks, device_update, functional, registry
 from megatrain.optim.resident import ResidentState
 from megatrain.optim.engine import HostWorker
-from megatrain.runtime.host_store import advise_huge_pages, host_zeros_like, is_homed
+from megatrain.memory.host_store import advise_huge_pages, host_zeros_like, is_homed
 
 # The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
 # math, so a state_dict moves between torch.optim.AdamW and megatrain.AdamW both ways.

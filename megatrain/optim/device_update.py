@@ -54,8 +54,8 @@ from torch import Tensor
 
 from megatrain.plan.costs import ADAMW_BYTES_PER_PARAM, DEVICE_LINK_BYTES, host_bandwidth
 from megatrain.optim import checks, functional
-from megatrain.runtime.host_store import host_zeros, is_page_locked, page_locked
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory.host_store import host_zeros, is_page_locked, page_locked
+from megatrain.memory.layout import FlatLayout
 
 if TYPE_CHECKING:
     from megatrain.plan.costs import Rates
@@ -241,7 +241,7 @@ def check_region(params: Sequence[Any], grads: Sequence[Any], device: torch.devi
         if device.type == "cuda" and not is_page_locked(p):
             raise ValueError(
                 f"submit_on_device(): {name} is not in page-locked host memory, which the "
-                "non-blocking copies need: home it with megatrain.runtime.host_store."
+                "non-blocking copies need: home it with megatrain.memory.host_store."
                 "home_parameters(params, pin=True) (the megatrain backend does this for the "
                 "parameters it streams), or use submit()"
             )

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from . import functional
-from ..runtime.host_store import host_zeros_like
+from ..memory.host_store import host_zeros_like
 
 # Per tensor: the caching allocator rounds every block up to 512 bytes; the step count.
 _BLOCK = 512

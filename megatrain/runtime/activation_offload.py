@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_store import host_buffer
+from ..memory.host_store import host_buffer
 
 
 @dataclass

@@ -37,8 +37,8 @@ import torch
 from ..optim import device_update
 from ..optim.registry import sole_owner
 from . import handoff_graphs
-from .layout import FlatLayout
-from .pool import DevicePool, Reserve
+from ..memory.layout import FlatLayout
+from ..memory.pool import DevicePool, Reserve
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 
 from .deadlines import DeadlineQueue, Deadlines
 from .grad_copies import GradCopy
-from .pool import Reserve
+from ..memory.pool import Reserve
 
 _ALIGN = 64  # as in grad_slabs: every gradient starts on a cache line
 

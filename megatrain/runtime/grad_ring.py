@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..optim.functional import PIECE_ALIGN
-from .host_store import host_buffer
+from ..memory.host_store import host_buffer
 
 # Bytes every piece starts on within a chunk: PIECE_ALIGN fp32 elements, so a cut at the
 # chunk's end falls on a multiple of PIECE_ALIGN elements of any gradient dtype up to fp32.

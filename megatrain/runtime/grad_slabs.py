@@ -47,8 +47,8 @@ from collections.abc import Callable
 import torch
 
 from ..errors import MegatrainValueError
-from . import host_store
-from .host_store import host_buffer
+from ..memory import host_store
+from ..memory.host_store import host_buffer
 
 _ALIGN = 64  # bytes: every gradient starts on a cache line
 MIN_SLABS = 2  # always allowed: one region being updated, the next one copied in

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..plan.costs import Rates
-from .host_store import host_buffer
+from ..memory.host_store import host_buffer
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from ..optim import resident as resident_mod
 from ..optim.adamw import RESIDENT_NEEDS_BUFFERS
 from ..optim.registry import owner_of, sole_owner
 from . import handoff_graphs
-from .layout import FlatLayout
-from .pool import Reserve
+from ..memory.layout import FlatLayout
+from ..memory.pool import Reserve
 
 
 _TIED = ("a parameter's gradient comes from several graphs (a weight tied across a graph "

@@ -44,14 +44,14 @@ from .grad_backlog import GradBacklog, Held
 from .grad_copies import GradCopy, settle_snapshots
 from .grad_ring import GradRing
 from .grad_slabs import GradSlabs
-from .host_store import (host_views, is_page_locked, release_cached_pinned_blocks,
+from ..memory.host_store import (host_views, is_page_locked, release_cached_pinned_blocks,
                          release_unused_pinned_blocks)
-from .layout import FlatLayout, contiguous_spans
+from ..memory.layout import FlatLayout, contiguous_spans
 from .. import config
 from ..errors import UnsupportedError, format_bytes
 from ..optim import device_update
 from ..optim.registry import owner_of, sole_owner
-from .pool import DevicePool, Reserve
+from ..memory.pool import DevicePool, Reserve
 from .resident_regions import ResidentRegions
 
 # Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross the

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from megatrain.models import PRESETS, Llama
-from megatrain.runtime import host_store
+from megatrain.memory import host_store
 
 from . import RefusedError, checkpoint, data, hf, metrics, parallel, plan, plot, tokenizer
 

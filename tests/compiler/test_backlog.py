@@ -25,7 +25,7 @@ from megatrain.runtime.deadlines import Deadlines
 from megatrain.runtime.grad_backlog import GradBacklog
 from megatrain.runtime.grad_copies import GradCopy
 from megatrain.runtime.grad_slabs import GradSlabs
-from megatrain.runtime.pool import DevicePool, Reserve
+from megatrain.memory.pool import DevicePool, Reserve
 
 from .helpers import (SMALL_VOCAB, breaking_llama, parse_forced, rel, random_batches,
                       small_llama_config, train_eager, train_megatrain)

@@ -13,7 +13,7 @@ import torch
 import megatrain
 from megatrain.errors import MegatrainValueError
 from megatrain.models import Llama
-from megatrain.runtime import host_store
+from megatrain.memory import host_store
 from megatrain.runtime.streamer import Streamer
 
 from .helpers import SMALL_VOCAB, random_batches, small_llama_config, train_megatrain

@@ -501,7 +501,7 @@ def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise(monkey
     whole fp32 gradient, a non-contiguous gradient included; with micro-batches the second
     one is added to the device buffer piece by piece too."""
     from megatrain.optim import functional
-    from megatrain.runtime.pool import DevicePool, Reserve
+    from megatrain.memory.pool import DevicePool, Reserve
     from megatrain.runtime.resident_regions import ResidentRegions
 
     piece = 3 * functional.PIECE_ALIGN

@@ -20,8 +20,8 @@ import megatrain
 from megatrain.plan import costs
 from megatrain.optim import device_update as du
 from megatrain.runtime.device_updates import DeviceUpdates
-from megatrain.runtime.host_store import home_parameters
-from megatrain.runtime.pool import DevicePool
+from megatrain.memory.host_store import home_parameters
+from megatrain.memory.pool import DevicePool
 from megatrain.models import Llama, LlamaConfig
 
 from .helpers import compile_streamed, flat, parse_forced, rel, random_batches, train_eager

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import megatrain.optim as mo
-from megatrain.runtime.host_store import home_parameters, is_page_locked
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory.host_store import home_parameters, is_page_locked
+from megatrain.memory.layout import FlatLayout
 
 from .compare import assert_gpu_and_host_updates_agree, seeded_llama_and_batches, train_fp32_on_cuda
 

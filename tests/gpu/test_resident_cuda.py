@@ -37,8 +37,8 @@ def test_bf16_gradients_are_upcast_in_stream_order_on_cuda():
     read it would show. Against the host update of the same gradients, within the CUDA
     kernel's rounding (test_device_update_cuda.py's tolerances)."""
     from megatrain.optim import AdamW
-    from megatrain.runtime.host_store import home_parameters
-    from megatrain.runtime.pool import DevicePool, Reserve
+    from megatrain.memory.host_store import home_parameters
+    from megatrain.memory.pool import DevicePool, Reserve
     from megatrain.runtime.resident_regions import ResidentRegions
 
     from .test_device_update_cuda import PARAM_TOL, TOL
@@ -100,8 +100,8 @@ def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise_on_cud
     kernel, its blocks over the same elements)."""
     from megatrain.optim import AdamW
     from megatrain.optim import resident as resident_mod
-    from megatrain.runtime.host_store import home_parameters
-    from megatrain.runtime.pool import DevicePool, Reserve
+    from megatrain.memory.host_store import home_parameters
+    from megatrain.memory.pool import DevicePool, Reserve
     from megatrain.runtime.resident_regions import ResidentRegions
 
     piece = 1 << 16

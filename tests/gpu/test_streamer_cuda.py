@@ -9,8 +9,8 @@ import torch
 
 import megatrain
 from megatrain.runtime import streamer as streamer_mod
-from megatrain.runtime.host_store import home_parameters, is_page_locked
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory.host_store import home_parameters, is_page_locked
+from megatrain.memory.layout import FlatLayout
 from ..compiler.helpers import compile_streamed
 
 pytestmark = pytest.mark.gpu

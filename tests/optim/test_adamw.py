@@ -674,7 +674,7 @@ def test_streamed_params_update_after_step_returns_in_fetch_order(option):
     """For parameters the backend streams (homed), step() with clipping or the finiteness
     check queues the updates region by region, last-submitted first (the next forward's
     fetch order), and returns before they run; the results equal the eager reference."""
-    from megatrain.runtime.host_store import home_parameters
+    from megatrain.memory.host_store import home_parameters
 
     seed = 23
     P = make_problem(seed)

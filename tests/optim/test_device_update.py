@@ -23,8 +23,8 @@ from megatrain.plan.costs import H200, Rates
 from megatrain.optim import device_update as du
 from megatrain.optim import functional
 from megatrain.optim.engine import HostWorker
-from megatrain.runtime.host_store import home_parameters
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory.host_store import home_parameters
+from megatrain.memory.layout import FlatLayout
 
 # ---- a small problem: three param groups, regions that span groups -----------------------
 

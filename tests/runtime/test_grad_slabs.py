@@ -76,7 +76,7 @@ def _lagging_backward(slabs: GradSlabs, regions: int) -> list:
 
 
 def test_by_default_slabs_grow_beside_overlapping_work_while_host_memory_has_room(monkeypatch):
-    from megatrain.runtime import host_store
+    from megatrain.memory import host_store
 
     total = 64 << 30
     free = {"bytes": 40 << 30}
@@ -103,7 +103,7 @@ def test_by_default_slabs_grow_beside_overlapping_work_while_host_memory_has_roo
 
 
 def test_unknown_host_memory_keeps_two_slabs(monkeypatch):
-    from megatrain.runtime import host_store
+    from megatrain.memory import host_store
 
     monkeypatch.setattr(host_store, "host_memory", lambda: None)
     slabs = GradSlabs(pin=False, overlap=lambda: True)

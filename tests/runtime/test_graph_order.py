@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatrain.runtime import graph_order, streamer as streamer_mod
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory.layout import FlatLayout
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ import gc
 
 import torch
 
-from megatrain.runtime import host_store
-from megatrain.runtime.layout import FlatLayout
+from megatrain.memory import host_store
+from megatrain.memory.layout import FlatLayout
 
 
 class _Lock:

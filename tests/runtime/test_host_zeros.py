@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.runtime import host_store
-from megatrain.runtime.host_store import HUGE_PAGE, host_zeros, host_zeros_like
+from megatrain.memory import host_store
+from megatrain.memory.host_store import HUGE_PAGE, host_zeros, host_zeros_like
 
 
 def _thp_mode() -> str | None:

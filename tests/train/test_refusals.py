@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatrain.runtime import host_store
+from megatrain.memory import host_store
 from megatrain.train import plan
 
 from _train_helpers import python_env, run_module, train

@@ -180,8 +180,7 @@ def _share_cores(params, opts: Options) -> None:
     half = max(1, torch.get_num_threads() // 2)
     owners = {id(o): o for o in map(owner_of, params) if o is not None}
     for opt in owners.values():
-        if hasattr(opt, "prefer_threads"):
-            opt.prefer_threads(half)
+        opt.prefer_threads(half)
 
 
 def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **kwargs):

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import weakref
 
+from .protocol import GradientConsumer
+
 _OWNER: dict[int, weakref.ref] = {}
 
 
-def register(params, optimizer) -> None:
+def register(params, optimizer: GradientConsumer) -> None:
     """``optimizer`` owns ``params`` from now on. A previous owner keeping some of them on
     the device (updates="resident") brings their newest values home first."""
+    assert isinstance(optimizer, GradientConsumer), type(optimizer)
     params = list(params)
     previous: dict[int, tuple] = {}
     for p in params:
         old = owner_of(p)
-        if old is not None and old is not optimizer and hasattr(old, "drop_resident"):
+        if old is not None and old is not optimizer:
             previous.setdefault(id(old), (old, []))[1].append(p)
     for old, ps in previous.values():
         old.drop_resident(ps)
@@ -24,12 +27,12 @@ def register(params, optimizer) -> None:
         weakref.finalize(p, _OWNER.pop, id(p), None)
 
 
-def owner_of(p):
+def owner_of(p) -> GradientConsumer | None:
     ref = _OWNER.get(id(p))
     return ref() if ref is not None else None
 
 
-def sole_owner(params):
+def sole_owner(params) -> GradientConsumer | None:
     """The one optimizer owning all of ``params``; None where they have several owners or
     none."""
     owners = {id(o): o for o in map(owner_of, params)}

@@ -163,6 +163,6 @@ def _willing_owner(params: list):
     now (``device_update_blocker``), else None: several owners, none left, one that
     objects or one without device updates."""
     opt = sole_owner(params)
-    if not hasattr(opt, "device_update_blocker") or opt.device_update_blocker(params) is not None:
+    if opt is None or opt.device_update_blocker(params) is not None:
         return None
     return opt

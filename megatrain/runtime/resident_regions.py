@@ -124,7 +124,7 @@ class ResidentRegions:
             self.demote(region, _TIED)
             return False
         opt = owner_of(param)
-        if opt is None or not hasattr(opt, "is_resident") or not opt.is_resident(param):
+        if opt is None or not opt.is_resident(param):
             return False  # not adopted yet, or a host path took it home: the host path
         in_place = grad.dtype == torch.float32 and grad.is_contiguous()  # else upcast
         scratch = None if in_place else self._upcast_scratch()
@@ -166,7 +166,7 @@ class ResidentRegions:
             return
         self.demoted[region] = reason
         params = [self.params[p] for p in pids]
-        for opt in {id(o): o for o in map(owner_of, params) if hasattr(o, "drop_resident")}.values():
+        for opt in {id(o): o for o in map(owner_of, params) if o is not None}.values():
             opt.drop_resident(params)  # each brings home the ones it holds
         self.reserve.release(self.held.pop(region) + self.buffered.pop(region, 0))
         if not self.regions:
@@ -196,6 +196,6 @@ class ResidentRegions:
 
 
 def _owner(params: list):
-    """The one optimizer owning all of ``params`` if it keeps state on the device."""
-    opt = sole_owner(params)
-    return opt if hasattr(opt, "make_resident") else None
+    """The one optimizer owning all of ``params``, which can keep their state on the
+    device; None where they have several owners or none."""
+    return sole_owner(params)

@@ -539,7 +539,7 @@ class Streamer:
         if self.device_updates is not None and region in self.device_updates.regions:
             return None
         opt = sole_owner(host_params)
-        if not hasattr(opt, "keep_shadows"):
+        if opt is None:
             return None
         missing = [p for p in host_params if not opt.has_shadow(p)]
         if missing:
@@ -845,7 +845,7 @@ class Streamer:
         tied weight's are summed in a slab first), one graph handing it in, an optimizer
         that takes pieces."""
         return (self._expect_param[param_id] == 1 and param.is_contiguous()
-                and hasattr(owner_of(param), "submit_pieces")
+                and owner_of(param) is not None
                 and not handoff_graphs.several(param))
 
     def _to_ring(self, grad: torch.Tensor, param: torch.Tensor, region: int, dtype: torch.dtype) -> None:
@@ -1095,7 +1095,7 @@ class Streamer:
                 promised = self._promised.setdefault(ticket, {})
                 for key, (opt, ps, _) in _by_owner(params, params).items():
                     if key not in promised:
-                        d = opt.defer(ps) if hasattr(opt, "defer") else None
+                        d = opt.defer(ps) if opt is not None else None
                         if d is None:
                             self._defer_declined = True
                             return False
@@ -1267,7 +1267,7 @@ def _host_copies_current(params: list) -> None:
     owners: dict[int, tuple] = {}
     for p in params:
         opt = owner_of(p)
-        if opt is not None and hasattr(opt, "flush_resident"):
+        if opt is not None:
             owners.setdefault(id(opt), (opt, []))[1].append(p)
     for opt, ps in owners.values():
         opt.flush_resident(ps)

@@ -7,6 +7,8 @@ the ValueError/TypeError it is, naming the value and the fix.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch._dynamo.exc as _dynamo_exc
 
 _Passthrough = getattr(_dynamo_exc, "ShortenTraceback", Exception)
@@ -31,6 +33,19 @@ class MegatrainTypeError(TypeError, _UserError):
 
 class UnsupportedError(NotImplementedError, _UserError):
     """A construct megatrain cannot stream; the message names the op and the module."""
+
+
+@contextlib.contextmanager
+def noting(note: str):
+    """Add `note` (when there is one) to the message of a MegatrainValueError raised in the
+    block: the same exception object, so its type and attributes (a refused budget's
+    `min_budget`) stay as they were."""
+    try:
+        yield
+    except MegatrainValueError as e:
+        if note:
+            e.args = (f"{e.args[0]}. Note: {note}", *e.args[1:])
+        raise
 
 
 def format_bytes(n: float) -> str:

@@ -18,7 +18,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (keeps dynamo's registry warm)
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from ..errors import MegatrainValueError, format_bytes
+from ..errors import MegatrainValueError, format_bytes, noting
 from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
@@ -271,12 +271,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     streamer.region_names = {r.id: r.name for r in cap.regions.regions}
     no_layers = _without_layers(cap)
     _warn_without_layers(cap, no_layers, piece)
-    try:
+    with noting(no_layers):
         _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
-    except MegatrainValueError as e:
-        if not no_layers:
-            raise
-        raise MegatrainValueError(f"{e}. Note: {no_layers}") from None
 
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
                      kernels=applied)
@@ -333,18 +329,13 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
                 else contextlib.nullcontext())
-    with autocast:
-        try:
-            compiled = aot_module_simplified(
-                cap.gm, example_inputs,
-                fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-                partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
-                decompositions=_decompositions(),
-                keep_inference_input_mutations=True)
-        except InfeasibleBudget as e:
-            if not no_layers:
-                raise
-            raise InfeasibleBudget(f"{e}. Note: {no_layers}", e.min_budget) from None
+    with autocast, noting(no_layers):
+        compiled = aot_module_simplified(
+            cap.gm, example_inputs,
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
+            partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
+            decompositions=_decompositions(),
+            keep_inference_input_mutations=True)
     return compiled, plan, cap
 
 

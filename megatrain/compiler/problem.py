@@ -38,10 +38,11 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..memory.layout import ALIGN_ELEMENTS
+from ..plan.planner import Problem, RegionSpec, RegionUse, Weight
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
+from .merges import Merge
 from .partition import region_of
-from ..plan.planner import Problem, RegionSpec, RegionUse, Weight
 
 
 _FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
@@ -404,29 +405,6 @@ def _alias_users(node: fx.Node) -> list[fx.Node]:
             if _is_view(u):
                 stack.append(u)
     return out
-
-
-@dataclass(frozen=True)
-class Merge:
-    """Why two graph regions stream as one unit: in `graph` ("forward" or "backward"),
-    region `first` reaches node `reach` (computed for it, or reading a weight fetched for
-    it when `through_weight`), past node `start`, where region `second` begins."""
-
-    graph: str
-    first: int
-    second: int
-    reach: str
-    start: str
-    through_weight: bool
-    param: int | None = None  # the weight's parameter index, when through_weight
-
-    def describe(self, names: dict[int, str], param_names: list[str] = ()) -> str:
-        what = "a weight"
-        if self.param is not None and self.param < len(param_names):
-            what = f"weight {param_names[self.param]!r}"
-        how = f"reads {what} fetched for it at" if self.through_weight else "computes at"
-        return (f"in the {self.graph} graph, {names.get(self.first, self.first)!r} {how} node "
-                f"{self.reach!r}, after {names.get(self.second, self.second)!r} starts (node {self.start!r})")
 
 
 def _units(graphs: list[_Graph]) -> tuple[dict[int, int], list[Merge]]:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..errors import format_bytes
+from ..errors import format_bytes, noting
 from ..plan.costs import Rates
-from ..plan.planner import (ACTIVATION_KINDS, WEIGHT_KINDS, InfeasibleBudget, Plan, PlannerOptions, Transfer,
-                      graph_events, plan_step)
-from .problem import StepProblem, build_problem
-from .rates import compile_rates
+from ..plan.planner import ACTIVATION_KINDS, WEIGHT_KINDS, Plan, PlannerOptions, Transfer, graph_events, plan_step
 from ..plan.validate import validate
+from .merges import joined_streaming
+from .problem import build_problem
+from .rates import compile_rates
 
 
 @dataclass
@@ -59,14 +59,10 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)
     rates = compile_rates(device)
-    try:
+    with noting(joined):
         plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
                          options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None,
                                                 keep=keep_weights and bw is not None))
-    except InfeasibleBudget as e:
-        if not joined:
-            raise
-        raise InfeasibleBudget(f"{e}. Note: {joined}", e.min_budget) from None
     validate(plan.schedule, budget)
     events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
     wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))
@@ -80,19 +76,3 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
                         [t for t in events.backward_all if t.kind in kinds], sp.forward_fetches,
                         sp.backward_fetches, offloaded)
 
-
-def joined_streaming(sp: StepProblem, names: dict[int, str], param_names: list[str] = ()) -> str:
-    """A sentence for each planner unit that streams the weights of several graph regions
-    together (their spans overlap in a graph, so they cannot be fetched apart), saying
-    which tensor or weight is live across which regions; "" when every region that has
-    weights streams on its own."""
-    out = []
-    for members in sp.units.values():
-        if sum(1 for m in members if m in sp.weighted) < 2:
-            continue
-        # The first overlap is the cause; the later ones follow from the span it made.
-        why = [m.describe(names, param_names) for m in sp.merges if m.first in members or m.second in members]
-        out.append(f"regions {', '.join(repr(names.get(m, m)) for m in members)} stream their weights "
-                   f"together, as one region (a budget must hold all of them at once), because {why[0]}"
-                   + (f" (the {len(why) - 1} further overlaps follow from it)" if len(why) > 1 else ""))
-    return ". ".join(out)

@@ -115,11 +115,13 @@ class _Inflight:
     done: object = None  # torch.cuda.Event, or a Future resolving to one
     from_device_masters: bool = False  # a resident region: its host masters may be stale
 
+    def fetched_from(self, host_params: list[torch.Tensor]) -> bool:
+        """The buffer was fetched from exactly these parameter objects."""
+        return len(self.params) == len(host_params) and all(a is b for a, b in zip(self.params, host_params))
+
     def holds(self, host_params: list[torch.Tensor]) -> bool:
         """The buffer was fetched from exactly these parameters, none written since."""
-        return len(self.params) == len(host_params) \
-            and all(a is b for a, b in zip(self.params, host_params)) \
-            and self.versions == [p._version for p in host_params]
+        return self.fetched_from(host_params) and self.versions == [p._version for p in host_params]
 
 
 @dataclass
@@ -682,10 +684,9 @@ class Streamer:
         if entry.holds(requested):
             return
         name = self.region_names.get(region, f"region {region}")
-        same = len(entry.params) == len(requested) and all(a is b for a, b in zip(entry.params, requested))
         why = ("its parameters were written after the copy (versions "
-               f"{entry.versions} at the copy, {[p._version for p in requested]} now)") if same else \
-            "the buffer holds other parameters (another module's weights)"
+               f"{entry.versions} at the copy, {[p._version for p in requested]} now)") \
+            if entry.fetched_from(requested) else "the buffer holds other parameters (another module's weights)"
         raise RuntimeError(f"megatrain: region {name!r} would compute with weights it was not "
                            f"fetched for: {why}. This is a megatrain bug; please report it")
 

@@ -187,6 +187,12 @@ def least_budgets(schedule) -> dict[bool, int]:
     return need
 
 
+def _split_knobs(options: dict | None) -> tuple[dict, dict]:
+    """`options` as (the user's options, the decision knobs of megatrain.config)."""
+    options = dict(options or {})
+    return options, {k: options.pop(k) for k in list(options) if k in megatrain.config.DECISIONS}
+
+
 class _Forced:
     """A model compiled with `backend="megatrain"`, each call made under
     `megatrain.config.patch(**knobs)`: the graphs compile (on a call) with those decisions."""
@@ -207,8 +213,7 @@ def compile_streamed(model, options: dict | None = None):
     """`torch.compile(model, backend="megatrain")` with `options`' user options; its decision
     knobs (lowering, updates, prefetch, ...: megatrain.config.DECISIONS) are forced through
     megatrain.config around every call, as tests and benchmarks must force them."""
-    options = dict(options or {})
-    knobs = {k: options.pop(k) for k in list(options) if k in megatrain.config.DECISIONS}
+    options, knobs = _split_knobs(options)
     compiled = torch.compile(model, backend="megatrain", options=options)
     return _Forced(compiled, knobs) if knobs else compiled
 
@@ -218,7 +223,6 @@ def parse_forced(options: dict):
     megatrain.config (where the backend reads them), validated alike."""
     from megatrain.compiler.options import parse_options
 
-    options = dict(options)
-    knobs = {k: options.pop(k) for k in list(options) if k in megatrain.config.DECISIONS}
+    options, knobs = _split_knobs(options)
     with megatrain.config.patch(**knobs):
         return parse_options(options)

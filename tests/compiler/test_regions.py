@@ -174,3 +174,27 @@ def test_a_refusal_of_a_graph_without_repeated_structure_says_why():
     with pytest.raises(MegatrainValueError, match="no repeated structure"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step(torch.randn(4, WIDTH))
+
+
+def test_regions_that_must_stream_together_are_explained(monkeypatch):
+    """With the recompute rules undone (problem.py), phi's iota mask recomputed inside the
+    last layer's backward joins every region into one unit: the refusal of a budget under
+    the weights says which regions, which node and which weight join them."""
+    pytest.importorskip("transformers", reason="transformers is in the test extra")
+    from megatrain.compiler import problem
+    from megatrain.errors import MegatrainValueError
+
+    from .test_hf_zoo import _phi, tokens
+
+    monkeypatch.setattr(problem, "_absorb_sandwiched", lambda runs: runs)
+    monkeypatch.setattr(problem._Graph, "_split_shared_fetches", lambda self, graph: False)
+    torch.manual_seed(0)
+    model = _phi()
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                     "gpu_memory": int(0.49 * param_bytes(model))})
+    with pytest.raises(MegatrainValueError, match=r"Note: regions 'prologue', 'model\.layers\.0', .* stream their "
+                                                  r"weights together.* because in the backward graph, .* reads "
+                                                  r"weight 'model\.layers\.\d\.\S+' fetched for it at node"), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step(**tokens())

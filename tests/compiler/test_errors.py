@@ -32,7 +32,7 @@ def test_budget_too_small_for_one_region_names_the_bytes():
 def test_budget_too_small_for_activations_names_the_minimum():
     model = tiny()
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": 50_000,
-                                  "lowering": "eager"})
+                                    "lowering": "eager"})
     ids = torch.randint(0, 64, (8, 64))
     with pytest.raises(ValueError, match=r"too small: .* give gpu_memory >= \d+ bytes"):
         step(ids, labels=ids)

@@ -171,7 +171,7 @@ def _trains_like_eager(build, inputs, stacks, lowering, breaks=False):
     ref = copy.deepcopy(model)
     budget = int(0.49 * param_bytes(model))
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": lowering,
-                                  "gpu_memory": budget})
+                                    "gpu_memory": budget})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for i in range(3):

@@ -152,16 +152,15 @@ def test_layers_are_found_in_any_container_and_each_call_streams_alone(name):
 
 def test_a_graph_without_repeated_structure_warns_once_naming_the_largest_module():
     model = _Flat()
-    step = compile_streamed(model, {"device": "cpu", "precision": "fp32",
-                                                              "lowering": "eager", "gpu_memory": 1 << 30})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                     "gpu_memory": 1 << 30})
     with pytest.warns(UserWarning, match=r"no repeated structure.*module 'down' holds the most"):
         step(torch.randn(4, WIDTH)).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch._dynamo.reset()
-        compile_streamed(model, {"device": "cpu", "precision": "fp32",
-                                                           "lowering": "eager", "gpu_memory": 1 << 30})(
-            torch.randn(4, WIDTH)).backward()
+        compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                  "gpu_memory": 1 << 30})(torch.randn(4, WIDTH)).backward()
 
 
 def test_a_refusal_of_a_graph_without_repeated_structure_says_why():
@@ -169,8 +168,8 @@ def test_a_refusal_of_a_graph_without_repeated_structure_says_why():
 
     model = _Flat()
     budget = int(0.9 * param_bytes(model))
-    step = compile_streamed(model, {"device": "cpu", "precision": "fp32",
-                                                              "lowering": "eager", "gpu_memory": budget})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                     "gpu_memory": budget})
     with pytest.raises(MegatrainValueError, match="no repeated structure"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         step(torch.randn(4, WIDTH))

@@ -233,15 +233,16 @@ def _rates(arg: str | None):
 def peak_contents(plan) -> str:
     """What the planner counts live where its schedule peaks, largest first: what a leaner
     plan would have to shrink (the same words as a refused budget's error)."""
-    from megatrain.plan import planner
+    from megatrain.plan.problem import _Shape
+    from megatrain.plan.program import describe_live, live_at
 
     at = plan.schedule.peak_at
     if at is None:
         return "-"
     at = at._replace(step=0)  # live_at walks one step
     phase = "forward" if at.phase == "fw" else "backward"
-    live = planner.live_at(planner._Shape(plan.schedule.problem), plan.config, at)
-    return f"{phase} of region {at.region}: {planner.describe_live(live)}"
+    live = live_at(_Shape(plan.schedule.problem), plan.config, at)
+    return f"{phase} of region {at.region}: {describe_live(live)}"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
 from .plan import GraphPlan
-from ..plan.planner import InfeasibleBudget
+from ..plan.search import InfeasibleBudget
 from .schedule import schedule_step
 
 _seen_breaks: collections.Counter = collections.Counter()  # break reason -> count warned of

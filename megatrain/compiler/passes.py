@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from ..memory.layout import FlatLayout
 from . import ops
-from ..plan.planner import Transfer
+from ..plan.events import Transfer
 
 
 @dataclass

@@ -71,7 +71,7 @@ class GraphPlan:
     @property
     def predicted_schedule(self):
         """The planner's chosen schedule as the runtime runs it: simulated again with the
-        update sites in effect (planner.with_update_sites: a resident region moves no
+        update sites in effect (plan.problem.with_update_sites: a resident region moves no
         bytes and leaves the host no update, a device site leaves the host no update), or
         the planner's own schedule, which counts every update on the host, when all are
         there. The planner picks its configuration before the sites exist; they change

@@ -38,7 +38,8 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..memory.layout import ALIGN_ELEMENTS
-from ..plan.planner import Problem, RegionSpec, RegionUse, Weight
+from ..plan.events import RegionUse
+from ..plan.problem import Problem, RegionSpec, Weight
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
 from .merges import Merge

@@ -1,7 +1,7 @@
 """The transfer schedule of one compiled graph pair: the planner's, validated.
 
     forward/backward FX graphs --problem.build_problem--> planner Problem, and where each
-    region runs in each graph --planner.plan_step--> the fastest predicted schedule whose
+    region runs in each graph --plan.search.plan_step--> the fastest predicted schedule whose
     peak fits gpu_memory (prefetch depth up to the `prefetch` option) --validate--> checked
     by the independent validator --graph_events--> per-graph Transfer lists, which
     passes.insert_transfers materialises as FX nodes in exactly that order.
@@ -21,7 +21,8 @@ import torch.fx as fx
 
 from ..errors import format_bytes, noting
 from ..plan.costs import Rates
-from ..plan.planner import ACTIVATION_KINDS, WEIGHT_KINDS, Plan, PlannerOptions, Transfer, graph_events, plan_step
+from ..plan.events import ACTIVATION_KINDS, WEIGHT_KINDS, Transfer, graph_events
+from ..plan.search import Plan, PlannerOptions, plan_step
 from ..plan.validate import validate
 from .merges import joined_streaming
 from .problem import build_problem

@@ -53,7 +53,8 @@ import torch
 from ..optim import device_update as du
 from ..optim import resident
 from ..plan.costs import Rates
-from ..plan.planner import Problem, Schedule, simulate, with_update_sites
+from ..plan.problem import Problem, with_update_sites
+from ..plan.simulate import Schedule, simulate
 
 UPDATES = ("auto", "host", "device", "resident")
 
@@ -158,7 +159,7 @@ def timed_with_sites(planned: Schedule, rates: Rates, sites: Mapping[int, str],
     """`planned`, the planner's schedule (every update on the host when it was chosen),
     timed as the runtime runs it with `sites` (region -> "host" | "device" | "resident",
     `pids`: region -> its parameter ids, which are the planner's weight ids):
-    planner.with_update_sites over the same configuration, so the same peak; `planned`
+    plan.problem.with_update_sites over the same configuration, so the same peak; `planned`
     itself when every update is on the host."""
     by_weight = {pid: site for r, site in sites.items() if site != "host" for pid in pids.get(r, ())}
     if not by_weight:

@@ -5,4 +5,8 @@ Pure by contract: nothing here imports megatrain.compiler, megatrain.runtime or
 megatrain.optim (tests/test_layers.py checks it). The compiler reads a graph into a
 planner Problem and materialises the chosen schedule; the runtime and the optimizer read
 rates and costs from here.
+
+Imports go one way: problem (the input) <- program (order and memory) <- simulate (time)
+<- events (schedule to FX events) <- search (the planner, `plan_step`); costs, validate and
+timeline sit beside them.
 """

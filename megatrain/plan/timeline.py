@@ -20,7 +20,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .planner import STREAMS, Schedule
+from .program import STREAMS
+from .simulate import Schedule
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ A forward-only problem (`training=False`) has no backward, gradients or host ste
 
 from __future__ import annotations
 
-from .planner import Problem, Schedule
+import itertools
+
+from .problem import Problem
+from .simulate import Schedule
 
 _EPS = 1e-12
 
@@ -124,7 +127,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         if start[b] + _EPS < end[a]:
             out.append(f"{b} starts at {start[b]:.6g} before its predecessor {a} ends at {end[a]:.6g}")
     for name, st in s.streams.items():
-        for a, b in zip(st, st[1:]):
+        for a, b in itertools.pairwise(st):
             if start[b] + _EPS < end[a]:
                 out.append(f"stream {name}: {b} overlaps {a}")
 
@@ -225,7 +228,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
             spans.setdefault(slot, []).append((pos[t], pos[ev], t))
     for slot, iv in spans.items():
         iv.sort()
-        for (a0, a1, ta), (b0, b1, tb) in zip(iv, iv[1:]):
+        for (a0, a1, ta), (b0, b1, tb) in itertools.pairwise(iv):
             if b0 <= a1:
                 out.append(f"slot {slot} holds region {ta.region} and region {tb.region} at once")
     prefetches = [t for t in seq if t.kind == "prefetch" and t.region not in s.config.kept]
@@ -306,8 +309,8 @@ def _kept_weights(f: _Facts, s: Schedule, c, get, pos, start, end, buffers) -> l
     r, ph, m, st = c.region, c.phase, c.micro, c.step
     out = []
     if r not in f.may_keep:
-        return [f"{c}: region {r} keeps weights it may not (read by another region, or not "
-                "the ones its backward reads)"]
+        return [(f"{c}: region {r} keeps weights it may not (read by another region, or not "
+                 "the ones its backward reads)")]
     pf, h, kp = get("prefetch", r, "fw", m, st), get("h2d", r, "fw", m, st), get("keep", r, "fw", m, st)
     fr = get("free", r, "bw", m, st)
     if pf is None or h is None or kp is None or fr is None:

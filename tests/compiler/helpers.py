@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.plan.planner import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.plan.search import InfeasibleBudget, PlannerOptions, plan_step
 
 
 def param_bytes(model: torch.nn.Module) -> int:

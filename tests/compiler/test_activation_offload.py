@@ -7,7 +7,7 @@ import torch
 
 import megatrain
 
-from megatrain.plan.planner import InfeasibleBudget
+from megatrain.plan.search import InfeasibleBudget
 from megatrain.models import Llama, LlamaConfig
 
 from .helpers import compile_streamed, random_batches, rel, train_side_by_side

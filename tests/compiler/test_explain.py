@@ -11,7 +11,7 @@ import torch
 import megatrain
 from megatrain.compiler import ops
 from megatrain.plan import costs
-from megatrain.plan.planner import Plan as PlannerPlan
+from megatrain.plan.search import Plan as PlannerPlan
 from megatrain.plan.validate import validate
 from megatrain.models import Llama, LlamaConfig
 from .helpers import compile_streamed

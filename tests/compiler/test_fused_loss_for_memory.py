@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.plan.planner import InfeasibleBudget
+from megatrain.plan.search import InfeasibleBudget
 from megatrain.models import Llama, LlamaConfig
 
 from .helpers import compile_streamed, rel, random_batches, train_side_by_side

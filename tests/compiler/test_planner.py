@@ -17,18 +17,10 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from megatrain.plan.costs import H200, Rates, link_rates
-from megatrain.plan.planner import (
-    InfeasibleBudget,
-    PlanConfig,
-    PlannerOptions,
-    Problem,
-    RegionSpec,
-    Weight,
-    largest_fitting,
-    plan_step,
-    simulate,
-    with_update_sites,
-)
+from megatrain.plan.problem import Problem, RegionSpec, Weight, with_update_sites
+from megatrain.plan.program import PlanConfig, largest_fitting
+from megatrain.plan.search import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.plan.simulate import simulate
 from megatrain.plan.validate import ScheduleInvalid, min_budget, validate, violations
 from megatrain.errors import MegatrainValueError
 
@@ -117,7 +109,7 @@ def problems(draw, max_regions: int = 10, min_regions: int = 1):
 budget_factors = st.one_of(st.floats(0.3, 1.0), st.just(1.0), st.floats(1.0, 1.5), st.floats(1.0, 4.0))
 SMALL = PlannerOptions(max_slots=2, reload_leads=(0, 1), release_lags=(0, 1))
 OPTIONS = st.sampled_from([SMALL, PlannerOptions()])
-# keep=True adds a post-pass to the chosen schedule (planner._with_kept): plans stay valid
+# keep=True adds a post-pass to the chosen schedule (plan.search._with_kept): plans stay valid
 # and within budget, but "more budget never predicts a slower step" is claimed without it.
 VALID_OPTIONS = st.sampled_from([SMALL, PlannerOptions(), PlannerOptions(keep=True)])
 
@@ -196,7 +188,7 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
     """Not only the planner's pick: any point of the search space is a valid schedule."""
     offloadable = [r.id for r in problem.regions if any(r.id in c.inputs for c in problem.regions)] \
         if problem.training else []
-    from megatrain.plan.planner import _Shape
+    from megatrain.plan.problem import _Shape
 
     keepable = _Shape(problem).keepable
     cfg = PlanConfig(slots=data.draw(st.integers(1, 4)),
@@ -216,7 +208,8 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
 @given(problem=problems(max_regions=8), rates=rates_st, data=st.data())
 def test_peak_curve_matches_the_program_walk(problem, rates, data):
     """The planner's fast peak (prefix sums over one program) equals walking each program."""
-    from megatrain.plan.planner import _PeakCurve, _program, _Shape, program_peak
+    from megatrain.plan.problem import _Shape
+    from megatrain.plan.program import _PeakCurve, _program, program_peak
 
     sh = _Shape(problem)
     curve = _PeakCurve(sh, data.draw(st.integers(1, 3)), data.draw(st.one_of(st.none(), st.integers(0, 2))),
@@ -293,7 +286,8 @@ def test_infeasible_budget_names_the_minimum():
 @budget_settings(100)
 @given(problems(), st.integers(1, 3), st.integers(0, 1))
 def test_live_bytes_at_the_peak_sum_to_the_peak(problem, slots, lag):
-    from megatrain.plan.planner import _program, _Shape, live_at, program_peak
+    from megatrain.plan.problem import _Shape
+    from megatrain.plan.program import _program, live_at, program_peak
 
     sh = _Shape(problem)
     cfg = PlanConfig(slots, None, 0, lag, frozenset(sh.offloadable))
@@ -446,7 +440,7 @@ def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
     read); the backward fetches only the head; each kept buffer lives from the forward's
     prefetch to the backward's free, so the peak grows by what is kept beside the
     plain plan, and the predicted step is no slower, the host reading fewer masters."""
-    from megatrain.plan.planner import _Shape
+    from megatrain.plan.problem import _Shape
 
     MB = 1 << 20
     w = [Weight(0, 8 * MB, MB)] + [Weight(i, 4 * MB, MB // 2) for i in range(1, 5)]

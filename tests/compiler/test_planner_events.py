@@ -13,8 +13,11 @@ from torch._subclasses import FakeTensorMode
 import megatrain  # noqa: F401  (registers the ops)
 from megatrain.compiler import ops, passes
 from megatrain.plan.costs import H200
-from megatrain.plan.planner import (PlanConfig, Problem, RegionUse, Transfer, graph_events, plan_step,
-                                        simulate)
+from megatrain.plan.events import RegionUse, Transfer, graph_events
+from megatrain.plan.problem import Problem
+from megatrain.plan.program import PlanConfig
+from megatrain.plan.search import plan_step
+from megatrain.plan.simulate import simulate
 from megatrain.compiler.problem import build_problem
 from megatrain.compiler.schedule import schedule_step
 from megatrain.plan.validate import min_budget

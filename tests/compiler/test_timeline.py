@@ -7,7 +7,8 @@ import json
 import pytest
 
 from megatrain.plan.costs import H200
-from megatrain.plan.planner import Problem, plan_step
+from megatrain.plan.problem import Problem
+from megatrain.plan.search import plan_step
 from megatrain.plan.timeline import Record, write_chrome_trace, write_measured_trace
 
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.plan.planner import _program, _Shape, describe_live, live_at, program_peak
+from megatrain.plan.problem import _Shape
+from megatrain.plan.program import _program, describe_live, live_at, program_peak
 from megatrain.models import Llama, LlamaConfig
 
 from ..compiler.helpers import (compile_streamed, assert_streams_each_weighted_region_once, least_budgets, param_bytes, rel,

@@ -1,0 +1,82 @@
+"""megatrain's own figures for a bench row, read from `megatrain.explain(...)` after the
+timed steps: what the planner predicted per stream beside what the runtime's CUDA events
+and timers measured (weights' stalls, gradient copies, the optimizer's host time, slabs,
+backlog, resident updates). They say why a step took what it took, which tokens/s cannot."""
+
+from __future__ import annotations
+
+import collections
+
+
+def _streamers(plan) -> list:
+    """The runtime streamer of each graph in `megatrain.explain(...)`'s plan that has one."""
+    return [g.streamer for g in plan.graphs if g.streamer is not None]
+
+
+def _megatrain_stats(step_fn) -> dict:
+    import megatrain
+    from megatrain.memory import host_store
+
+    plan = megatrain.explain(step_fn)
+    streamers = _streamers(plan)
+    stats = [s.last_stats for s in streamers if s.last_stats is not None]
+    # as the runtime runs them: with the update sites in effect (resident regions move nothing)
+    schedules = [g.predicted_schedule for g in plan.graphs if g.schedule is not None]
+
+    def per_step(stream: str) -> float:  # the cost model's busy seconds of one stream
+        return sum(sum(s.end[t] - s.start[t] for t in s.streams[stream]) / s.steps for s in schedules)
+
+    def measured(pairs: str) -> float:  # seconds covered by the last step's CUDA event pairs
+        return sum(s.event_seconds(pairs) for s in stats)
+
+    return {"predicted_step_s": plan.predicted_step_s,
+            # regions whose forward weights the plans keep for the backward (keep_weights)
+            "kept_regions": sum(len(s.config.kept) for s in schedules),
+            "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
+            "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
+            "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
+            "grad_slab_bytes": sum(s._slabs.allocated * s._slabs.slab_bytes for s in streamers),
+            "grad_own_buffers": sum(s._slabs.own_buffers for s in streamers),
+            "grad_ring_bytes": sum(s._ring.allocated * s._ring.chunk_bytes for s in streamers if s._ring),
+            # the device memory the plan leaves free (device-site updates, the backlog) and
+            # how many regions' gradients waited there over the whole run (backlog="device")
+            "update_reserve_bytes": sum(s.reserve.nbytes for s in streamers if s.reserve is not None),
+            # ... as the compile planned it (updates="resident" grows it from a measured step)
+            "update_reserve_planned_bytes": sum(g.update_reserve for g in plan.graphs),
+            "backlogged_regions_total": sum(s.backlog.backlogged for s in streamers if s.backlog is not None),
+            # updates="resident": regions whose AdamW state lives on the GPU, its bytes, and
+            # the regions sent home (why) over the run
+            "resident_regions": sum(len(s.resident.regions) for s in streamers if s.resident is not None),
+            "resident_bytes": sum(sum(s.resident.held.values()) for s in streamers if s.resident is not None),
+            "resident_params": sum(s.params[p].numel() for s in streamers if s.resident is not None
+                                   for pids in s.resident.regions.values() for p in pids),
+            "resident_demoted": {r: why for s in streamers if s.resident is not None
+                                 for r, why in s.resident.demoted.items()},
+            "device_update_sites": sum(list(g.update_sites.values()).count("device") for g in plan.graphs),
+            "page_lock_failures": list(host_store.register_failures),
+            "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
+            "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
+            "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),
+            "transfer_stall_s": sum(s.transfer_stall_s() for s in stats),
+            "optimizer_wait_s": sum(s.optimizer_wait_s for s in stats),
+            "slab_wait_s": sum(s.slab_wait_s for s in stats),
+            # backlog: regions whose update the last backward's end deferred into the forward
+            "deferred_regions": sum(s.deferred_regions for s in stats),
+            # the last step's host updates by the phase they began in (does the host's rate
+            # fall beside the forward's weight copies?)
+            "host_updates_by_phase": _merge_phases(s.host_updates_by_phase() for s in stats),
+            "cast_wait_s": sum(s.cast_wait_s for s in stats),
+            "fetch_paths": dict(sum((s.fetch_paths for s in stats), collections.Counter())),
+            "h2d_busy_s": sum(s.h2d_busy_s() for s in stats),
+            "stall_by_region": [{r: round(t, 4) for r, t in s.stall_by_region().items() if t > 1e-4}
+                                for s in stats]}
+
+
+def _merge_phases(per_streamer) -> dict:
+    out: dict = {}
+    for phases in per_streamer:
+        for phase, row in phases.items():
+            into = out.setdefault(phase, {"updates": 0, "params": 0, "busy_s": 0.0})
+            for k, v in row.items():
+                into[k] += v
+    return out

@@ -34,8 +34,11 @@ prefetch: int = 1
 # linear-cross-entropy loss only where the budget needs it.
 kernels = None
 # Where megatrain.AdamW's updates run: "host", "auto" (the cost model per region),
-# "device" (streamed state) or "resident" (state kept on the device where it fits).
-updates: str = "host"
+# "device" (streamed state) or "resident" (state kept on the device where it fits, the
+# cost model for the rest). None: the planner's choice, "resident" on a GPU (a resident
+# region moves no bytes at all) and "host" on the CPU device (where "device" memory is
+# host memory: keeping a second copy there saves nothing).
+updates = None
 # The order a lagging host optimizer gets the regions: None (arrival), "host" (the next
 # forward's fetch order, the rest deferred into it) or "device".
 backlog = None

@@ -19,6 +19,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (keeps dyn
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from ..errors import MegatrainValueError, format_bytes, noting
+from ..optim import module_reads
 from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
@@ -206,6 +207,9 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     for r in cap.regions.regions:
         own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
         home_parameters(own, pin=opts.device.type == "cuda")
+    # The optimizer may hold newer values than the host parameters (queued or resident
+    # updates): reading the model through state_dict() makes them current first.
+    module_reads.keep_state_dict_current(cap.params)
     if streamer.device_updates is not None and opts.device.type == "cuda":
         streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
     explain_mod.record(plan)

@@ -136,11 +136,14 @@ def parse_options(options: dict | None) -> Options:
     if lowering not in _LOWERINGS:
         raise MegatrainValueError(f"lowering={lowering!r}: use one of {_LOWERINGS}")
     kernels = _parse_kernels(options.get("kernels"))
-    updates = options.get("updates", "host")
+    updates = options.get("updates")
+    if updates is None:
+        updates = "resident" if device.type == "cuda" else "host"
     if not isinstance(updates, str) or updates not in UPDATES:
         raise MegatrainValueError(
             f"updates={updates!r}: use one of {UPDATES} (where each region's megatrain.AdamW "
-            f"update runs: chosen by the cost model, always the host, or the compute device)")
+            f"update runs: chosen by the cost model, always the host, the compute device with "
+            f"streamed state, or state kept on the device), or None for megatrain's choice")
     backlog = options.get("backlog")
     if backlog is not None and (not isinstance(backlog, str) or backlog not in _BACKLOGS):
         raise MegatrainValueError(

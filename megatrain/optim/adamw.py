@@ -88,8 +88,13 @@ class AdamW(Optimizer):
       option ``updates="resident"``, megatrain.optim.resident): master, m and v of
       ``params`` live on the device between steps and are updated there; ``step()`` applies
       gradients that had to wait (micro-batches, clipping, the non-finite check) there too.
-      The host copies are current after ``synchronize()``/``state_dict()``, which bring the
-      state home (the runtime adopts it again at the next fetch).
+
+    Reading parameters (the rule, whatever the plan put where): ``model.state_dict()``
+    (every module the backend streams has a hook, optim/module_reads.py), ``state_dict()``,
+    checkpoints and the compiled model itself always see the newest values, and leave
+    resident state on the device. Read or write ``p.data`` / ``model.parameters()``
+    directly only after ``synchronize()``, which also sends resident state home (the
+    runtime adopts it again, with any host writes, at the next fetch).
 
     Args:
         max_grad_norm: clip the global gradient 2-norm to this, inside ``step()``; the
@@ -732,7 +737,10 @@ class AdamW(Optimizer):
             self._threads_arg = None
 
     def state_dict(self) -> dict[str, Any]:
-        self.synchronize()
+        # Current values, read: resident state is copied home and stays on the device (a
+        # write to what this returns is not seen; load_state_dict is how state changes).
+        self._wait_everything()
+        self._resident.flush(self.state, None, self._describe)
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

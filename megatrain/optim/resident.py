@@ -23,7 +23,7 @@ The host copy is the authority at rest, the device copy while training:
   ``accumulate()``, clipping, the non-finite check) the gradient is summed into a device
   buffer the runtime lends (as the host path sums into ``p.grad``), and ``AdamW.step()``
   takes its norm beside the host's and applies it there.
-- ``drop`` (``AdamW.synchronize()``, ``state_dict()``, pickling; a host path touching the
+- ``drop`` (``AdamW.synchronize()``, pickling; a host path touching the
   parameter; the runtime's demotion): the device values are copied into the host
   parameter and host state, which are current again (a waiting gradient becomes
   ``p.grad``), and the device copies are freed; the runtime adopts the host's values
@@ -32,8 +32,9 @@ The host copy is the authority at rest, the device copy while training:
   write parameters directly only after ``synchronize()`` (the rule deferred updates
   already impose, AdamW's docstring). A host write that bumps ``p._version`` while the
   device holds newer values raises, saying to call ``synchronize()`` first.
-- ``flush`` (the runtime, before another graph fetches the parameter from the host): the
-  host copy made current, the device copy kept.
+- ``flush`` (the runtime, before another graph fetches the parameter from the host;
+  ``AdamW.state_dict()``; a module's ``state_dict()``, optim/module_reads.py): the host
+  copy made current, the device copy kept.
 - ``drop_for_load`` (``load_state_dict``): the newest weights come home unless the host
   parameter was written since (a model state_dict loaded first), moments are replaced.
 

@@ -135,9 +135,8 @@ def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    synchronize = getattr(optimizer, "synchronize", None)
-    if synchronize is not None:
-        synchronize()  # megatrain.AdamW's step() may still be applying updates
+    # Both state_dicts read current values (megatrain.AdamW's queued and resident updates
+    # included, optim/module_reads.py): no synchronize(), which would send resident state home.
     hf.save_weights(model, tmp)
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     for f in extra_files:

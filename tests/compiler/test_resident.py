@@ -130,9 +130,11 @@ def test_the_predicted_step_leaves_resident_regions_off_the_host():
     assert res.predicted_step_s == sited.step_time < planned.step_time
 
 
-def test_host_copies_are_stale_until_synchronize():
-    """The device copies are the ones training: before synchronize() the host parameters
-    still hold their initial values; after it they and the state_dict are the host path's."""
+def test_host_copies_are_stale_until_read():
+    """The device copies are the ones training: the host parameters still hold their
+    initial values until something reads the model. opt.state_dict() makes them and the
+    host state the host path's and keeps the regions resident; synchronize() sends them
+    home, and the next fetch adopts them afresh."""
     torch.manual_seed(1)
     model = llama()
     batches = random_batches(VOCAB, 2, batch=2, seq=16)
@@ -143,16 +145,68 @@ def test_host_copies_are_stale_until_synchronize():
     run(step, opt, batches)
     kept = [n for n, p in streamed.named_parameters() if opt.is_resident(p)]
     assert kept and all(torch.equal(dict(streamed.named_parameters())[n], initial[n]) for n in kept)
-    state = opt.state_dict()  # synchronizes
+    state = opt.state_dict()
     assert torch.equal(flat(streamed.parameters()), host["params"])
     ref = host["opt"].state_dict()
     for i, st in state["state"].items():
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(st[key], ref["state"][i][key]), (i, key)
-    # synchronize() brought them home; the next fetch adopts them afresh
+    assert all(opt.is_resident(p) for n, p in streamed.named_parameters() if n in kept)
+    opt.synchronize()
     assert not any(opt.is_resident(p) for p in streamed.parameters())
     run(step, opt, batches[:1])
     assert all(opt.is_resident(p) for n, p in streamed.named_parameters() if n in kept)
+
+
+def test_every_way_of_reading_the_model_sees_what_the_host_plan_sees(tmp_path):
+    """The rule users rely on: with regions resident, model.state_dict() (no synchronize),
+    opt.state_dict(), the main job's checkpoint, evaluation through the compiled model and
+    model.parameters() after opt.synchronize() read bitwise what the host-only plan reads;
+    and reading keeps the regions resident (training goes on without re-uploading them)."""
+    from safetensors.torch import load_file
+
+    from megatrain.train import checkpoint, hf
+
+    torch.manual_seed(11)
+    model = llama()
+    batches = random_batches(VOCAB, 5, batch=2, seq=16)
+
+    def read_every_way(streamed, opt, step, updates):
+        def still_resident():
+            return sum(opt.is_resident(p) for p in streamed.parameters())
+
+        out = {}
+        run(step, opt, batches[:1])
+        resident = still_resident()
+        assert (resident > 0) == (updates == "resident")
+        out["model.state_dict()"] = {k: v.clone() for k, v in streamed.state_dict().items()}
+        run(step, opt, batches[1:2])
+        out["opt.state_dict()"] = copy.deepcopy(opt.state_dict()["state"])
+        run(step, opt, batches[2:3])
+        folder = checkpoint.save_checkpoint(tmp_path / updates, 3, streamed, opt, {}, {})
+        out["checkpoint weights"] = {k: v for f in hf.weight_files(folder) for k, v in load_file(f).items()}
+        out["checkpoint optimizer"] = torch.load(folder / "optimizer.pt")["state"]
+        assert still_resident() == resident
+        run(step, opt, batches[3:4])
+        with torch.no_grad():
+            out["evaluation"] = step(batches[4][0], labels=batches[4][1])
+        assert still_resident() == resident
+        opt.synchronize()
+        out["parameters after synchronize()"] = flat(streamed.parameters())
+        return out
+
+    got = side_by_side(model, read_every_way)
+    for way, want in got["host"].items():
+        assert_bitwise_equal(got["resident"][way], want, way)
+
+
+def assert_bitwise_equal(a, b, where: str) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}[{k!r}]")
+    else:
+        assert torch.equal(a, b), where
 
 
 @pytest.mark.parametrize("how", ["micro-batches", "clipping", "micro-batches clipped", "non-finite check"])

@@ -190,7 +190,14 @@ def test_device_regions_must_fit_the_memory_the_plan_leaves():
                                   for r in tight.update_sites}
 
 
-@pytest.mark.parametrize("value", ["optimizer", None, True])
+def test_megatrain_decides_where_updates_run_unless_forced():
+    """None (the default) is the planner's choice: state kept on the device where a GPU
+    computes, the host on the CPU device (where device memory is host memory)."""
+    assert parse_forced({"device": "cpu"}).updates == "host"
+    assert parse_forced({"device": "cpu", "updates": "resident"}).updates == "resident"
+
+
+@pytest.mark.parametrize("value", ["optimizer", "", True])
 def test_a_bad_updates_value_is_refused(value):
     with pytest.raises(ValueError, match=r"updates=.* use one of \('auto', 'host', 'device', 'resident'\)"):
         parse_forced({"device": "cpu", "updates": value})

@@ -45,7 +45,8 @@ def _train(model, batches, backlog: str | None, precision: str):
     torch._dynamo.reset()
     model = copy.deepcopy(model)
     opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    step = compile_streamed(model, {"device": "cuda", "precision": precision, "backlog": backlog})
+    step = compile_streamed(model, {"device": "cuda", "precision": precision, "backlog": backlog,
+                                   "updates": "host"})
     losses, deferred = [], []
     for ids, labels in batches:
         loss = step(ids, labels=labels)

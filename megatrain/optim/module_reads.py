@@ -1,0 +1,82 @@
+"""A model's ``state_dict()`` reads the newest values, wherever megatrain.AdamW holds them.
+
+The optimizer may hold a parameter's newest value away from the tensor the model holds:
+an update still queued on its host worker (``step()`` returns before deferred updates run)
+or master and moments kept on the compute device (resident regions, optim/resident.py).
+``module.state_dict()`` is how users and libraries read a model (checkpoints, evaluation
+harnesses, Hugging Face's ``save_pretrained``), so every module holding a parameter the
+backend streams gets a state_dict pre-hook that first makes the owning optimizer's values
+current: queued updates applied, resident values copied home (the device copies stay, so
+training goes on without re-uploading them). The one rule left for users: read or write
+``p.data`` / ``model.parameters()`` directly only after ``opt.synchronize()``.
+
+Why referrers: the backend is handed tensors, not modules (dynamo lifts parameters to
+graph inputs; its sources name an attribute path, not the root object), so the modules
+holding a parameter are found as the owners of the ``_parameters`` dicts that refer to it.
+Done once per compiled graph, for all its parameters at once (a few passes over the
+objects the garbage collector tracks).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .registry import owner_of
+
+_hooked: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
+
+
+def holders(params: Iterable[torch.Tensor]) -> list[nn.Module]:
+    """The modules whose own ``_parameters`` hold any of ``params``."""
+    params = list(params)
+    if not params:
+        return []
+    ids = {id(p) for p in params}
+    dicts = [d for d in gc.get_referrers(*params)
+             if isinstance(d, dict) and any(id(v) in ids for v in d.values())]
+    if not dicts:
+        return []
+    wanted = {id(d) for d in dicts}
+    found: dict[int, nn.Module] = {}
+    instance_dicts = []
+    for r in gc.get_referrers(*dicts):
+        if isinstance(r, nn.Module) and id(r.__dict__.get("_parameters")) in wanted:
+            found[id(r)] = r
+        elif isinstance(r, dict) and id(r.get("_parameters")) in wanted:
+            instance_dicts.append(r)  # a module's __dict__ (where the object does not refer directly)
+    if instance_dicts:
+        owned = {id(d) for d in instance_dicts}
+        for r in gc.get_referrers(*instance_dicts):
+            if isinstance(r, nn.Module) and id(r.__dict__) in owned:
+                found[id(r)] = r
+    return list(found.values())
+
+
+def keep_state_dict_current(params: Iterable[torch.Tensor]) -> int:
+    """Hook every module holding one of ``params`` (once per module); returns how many
+    modules were newly hooked."""
+    new = 0
+    for module in holders(params):
+        if module not in _hooked:
+            _hooked[module] = module.register_state_dict_pre_hook(_make_current)
+            new += 1
+    return new
+
+
+def _make_current(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """state_dict pre-hook: the owners' pending updates of this module's own parameters
+    done and their resident values copied home."""
+    params = [p for p in module._parameters.values() if p is not None]
+    by_owner: dict[int, tuple] = {}
+    for p in params:
+        opt = owner_of(p)
+        if opt is not None:
+            by_owner.setdefault(id(opt), (opt, []))[1].append(p)
+    for opt, ps in by_owner.values():
+        opt.wait_params(ps)
+        opt.flush_resident(ps)

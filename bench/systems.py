@@ -168,7 +168,8 @@ def run_system(args) -> dict:
             options["gpu_memory"] = args.gpu_memory
         # A variant's flags force megatrain's decisions (one system per process, so the
         # config module is this run's): diagnostics beside the planner's defaults.
-        forced = {"prefetch": args.prefetch, "updates": args.updates}
+        forced = {name: value for name, value in (("prefetch", args.prefetch), ("updates", args.updates))
+                  if value is not None}
         if args.backlog:
             forced["backlog"] = args.backlog
         if args.grad_ring:

@@ -130,9 +130,11 @@ def main(argv=None) -> int:
                    help="megatrain: after the timed steps, time again with each bound on the gradient "
                         "slabs in this list (2,auto,2,auto: alternate to see drift; auto: the "
                         "default, more while the host lags and host memory has room)")
-    p.add_argument("--prefetch", type=int, default=1, help="megatrain regions fetched ahead")
-    p.add_argument("--updates", default="host", choices=("host", "auto", "device", "resident"),
-                   help="megatrain: where AdamW updates run (compile option `updates`)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="megatrain: force the most regions fetched ahead (default: the planner's)")
+    p.add_argument("--updates", default=None, choices=("host", "auto", "device", "resident"),
+                   help="megatrain: force where AdamW updates run (megatrain.config.updates; "
+                        "default: the planner's)")
     p.add_argument("--backlog", default=None, choices=("host", "device"),
                    help="megatrain: compile option `backlog` (EDF updates, the rest deferred into the "
                         "next forward; gradients wait in host slabs or on the device); variant "

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     g = t.add_argument_group("execution")
     g.add_argument("--device", help="compute device: cuda, cuda:N or cpu [cuda if available]")
     g.add_argument("--gpu-memory", help="device memory budget, e.g. 16GiB [backend decides]")
+    g.add_argument("--host-memory", help="host RAM megatrain may add for training (optimizer "
+                                         "moments, gradient slabs, offloaded activations), e.g. "
+                                         "64GiB [what is available, less a margin]")
     g.add_argument("--precision", choices=["bf16", "fp32"],
                    help="compute precision; the master weights are fp32 either way "
                         "[bf16 on cuda, fp32 on cpu]")

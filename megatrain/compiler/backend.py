@@ -24,7 +24,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import update_sites
+from . import host_budget, update_sites
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -202,6 +202,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             raise
         compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
                                                        unfused)
+    _check_host_memory(plan, cap, opts)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
     for r in cap.regions.regions:
@@ -214,6 +215,20 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
         streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
     explain_mod.record(plan)
     return compiled
+
+
+def _check_host_memory(plan: GraphPlan, cap, opts: Options) -> None:
+    """The graph's host needs (host_budget.py) against host_memory, before anything of the
+    step is allocated or any parameter moves."""
+    if plan.schedule is None:
+        return
+    chosen = plan.schedule.plan
+    out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
+    offloaded = sum(int(out_bytes[u]) for u in chosen.config.offloaded)
+    needs = host_budget.host_needs(cap.params, cap.region_params, offloaded,
+                                   opts.compute_dtype.itemsize, opts.weight_shadow)
+    plan.host_needs, plan.host_memory = needs, opts.host_memory
+    host_budget.check_host_budget(needs, opts.host_memory)
 
 
 _FUSED_LOSS = ("linear_cross_entropy",)

@@ -9,6 +9,7 @@ import torch
 
 from .. import config
 from ..errors import MegatrainTypeError, MegatrainValueError
+from ..memory import host_store
 from ..runtime.grad_slabs import check_max_slabs
 from .update_sites import UPDATES
 
@@ -47,6 +48,10 @@ class Options:
         device's free memory (CUDA) or 4 GiB (CPU device).
     precision: "bf16" computes in bfloat16 from the fp32 host master; "fp32" computes in fp32
         and matches eager training to float tolerance.
+    host_memory: the host RAM megatrain may add for training, in bytes or like "64GiB": the
+        optimizer's moments it creates, gradient slabs, activations waiting in host memory,
+        weight shadows. Default: the RAM available at compile time, less a margin (an
+        eighth of the host's RAM, at least 2 GiB); None where the host does not say.
 
     The other fields are megatrain's decisions, read from `megatrain.config` (which
     documents each); tests and benchmarks force them there, never through `options`.
@@ -55,6 +60,7 @@ class Options:
     device: torch.device
     gpu_memory: int
     precision: str = "bf16"
+    host_memory: int | None = None
     prefetch: int = 1
     lowering: str = "inductor"
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
@@ -77,7 +83,7 @@ _LOWERINGS = ("inductor", "eager")
 _BACKLOGS = ("host", "device")
 
 
-USER_OPTIONS = ("device", "gpu_memory", "precision")
+USER_OPTIONS = ("device", "gpu_memory", "host_memory", "precision")
 
 
 def parse_options(options: dict | None) -> Options:
@@ -122,6 +128,8 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"gpu_memory={gpu_memory} bytes exceeds the {total} bytes of {device}: "
                 f"give at most the device's memory")
+
+    host_memory = _host_memory(options.get("host_memory"))
 
     precision = options.get("precision", "bf16")
     if precision not in _PRECISIONS:
@@ -176,10 +184,27 @@ def parse_options(options: dict | None) -> Options:
             f"weight_shadow=True with precision={precision!r}: the shadow is the bf16 copy the "
             f"device computes with; an fp32 step already streams the masters as they are. "
             f"Use precision='bf16' or drop weight_shadow")
-    return Options(device=device, gpu_memory=gpu_memory, precision=precision,
+    return Options(device=device, gpu_memory=gpu_memory, precision=precision, host_memory=host_memory,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
                    backlog=backlog, offload=offload, grad_chunk=grad_chunk, grad_slabs=grad_slabs,
                    keep_weights=keep_weights, weight_shadow=weight_shadow)
+
+
+def _host_memory(value) -> int | None:
+    """The host budget: the user's, no more than the host's RAM; by default what is
+    available now less host_store.host_margin (None: the host does not say)."""
+    mem = host_store.host_memory()
+    if value is None:
+        if mem is None:
+            return None
+        available, total = mem
+        return max(0, available - host_store.host_margin(total))
+    n = parse_bytes(value, "host_memory")
+    if mem is not None and n > mem[1]:
+        raise MegatrainValueError(
+            f"host_memory={value!r} is {n} bytes, more than this host's {mem[1]} bytes of RAM: "
+            f"give at most that, or leave host_memory unset for what is available now")
+    return n
 
 
 def _flag(options: dict, name: str, default: bool, meaning: str) -> bool:

@@ -36,6 +36,10 @@ class GraphPlan:
     # when megatrain chose them itself (the fused loss applied because the budget needed it).
     kernels: tuple[str, ...] = ()
     note: str = ""
+    # Host bytes the graph adds beyond the model's parameters, by what holds them
+    # (compiler/host_budget.py), and the host_memory budget they were held to.
+    host_needs: dict[str, int] = field(default_factory=dict)
+    host_memory: int | None = None
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property
@@ -146,6 +150,15 @@ class Plan:
     @property
     def prefetch_count(self) -> int:
         return sum(g.prefetch_count for g in self.graphs)
+
+    @property
+    def host_needs(self) -> dict[str, int]:
+        """Host bytes the graphs add beyond the model's parameters, by what holds them."""
+        out: dict[str, int] = {}
+        for g in self.graphs:
+            for k, v in g.host_needs.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
     @property
     def notes(self) -> list[str]:

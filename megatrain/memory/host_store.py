@@ -83,6 +83,17 @@ def host_memory() -> tuple[int, int] | None:
     return fields["MemAvailable"], fields["MemTotal"]
 
 
+# The host RAM megatrain leaves to everything else: an eighth of the host's, at least 2 GiB
+# (the page cache, the data loader, the Python heap, other processes).
+HOST_FREE_FRACTION = 1 / 8
+HOST_FREE_MIN = 2 << 30
+
+
+def host_margin(total: int) -> int:
+    """Bytes of a host with ``total`` bytes of RAM that megatrain's defaults keep free."""
+    return max(int(total * HOST_FREE_FRACTION), HOST_FREE_MIN)
+
+
 def available_host_bytes() -> int | None:
     """Host RAM available now (None: unknown)."""
     mem = host_memory()

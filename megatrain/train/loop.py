@@ -45,6 +45,7 @@ class TrainConfig:
     clip: float = 1.0                   # global grad-norm clip; 0 disables
     device: str | None = None           # None: cuda if available, else cpu
     gpu_memory: str | None = None
+    host_memory: str | None = None      # None: the backend's default
     precision: str | None = None        # None: bf16 on cuda, fp32 on cpu
     compile: str = "megatrain"          # megatrain | eager
     out: str | None = None              # None: runs/<model name>
@@ -101,6 +102,8 @@ def backend_options(cfg: TrainConfig) -> dict:
     options = {"device": cfg.device, "precision": cfg.precision}
     if cfg.gpu_memory is not None:
         options["gpu_memory"] = cfg.gpu_memory
+    if cfg.host_memory is not None:
+        options["host_memory"] = cfg.host_memory
     return options
 
 

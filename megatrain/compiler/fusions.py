@@ -47,13 +47,13 @@ from megatrain.kernels.rope import apply_rotary
 from megatrain.kernels.swiglu import swiglu
 
 PATTERNS = ("rmsnorm", "rope", "swiglu", "linear_cross_entropy")
-# The pass's own default (`enabled=None`), not the backend's. On the H200
-# (bench/results/kernels.jsonl, 8192 tokens, bf16, forward+backward GPU ms, megatrain /
-# Inductor): rmsnorm 0.109 / 0.119, rope 0.094 / 0.090, swiglu 0.432 / 0.432, fused
-# linear-cross-entropy 41.8 / 38.9 at vocab 128256 (peak 3.19 GiB against eager's 12.85 GiB,
-# 4.03x less) and 9.53 / 9.82 at vocab 32000.
+# The pass's own default (`enabled=None`), not the backend's. Standalone
+# (bench/bench_kernels.py, forward+backward against Inductor), the kernels run about even
+# with Inductor's code, rmsnorm a little faster; the fused linear-cross-entropy is about as
+# fast (a little slower at a 128k vocabulary, a little faster at 32k) and peaks at ~4x less
+# memory than eager at 128k.
 # Decision: the backend applies none by default (options["kernels"] not given) until one is
-# measured faster inside training, not only standalone: a standalone win like rmsnorm's 8% can
+# shown faster inside training, not only standalone: a standalone win like rmsnorm's can
 # vanish when the custom op blocks Inductor's fusion with its neighbouring ops. The fused loss
 # is applied automatically only when the memory budget needs it (backend.py: a graph whose plan
 # does not fit gpu_memory is planned again with it).

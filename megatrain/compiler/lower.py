@@ -23,9 +23,9 @@ _OPS_VERSION = "megatrain-ops-" + hashlib.sha256(
 # schedule put them; the schedule already decides memory, so they are off. Buffer reuse
 # is off too: Inductor holds a freed buffer until a later one of the same size takes it,
 # which can be regions later, so tensors outlive the last use the planner's liveness walk
-# counts (H200, 2026-12-03: a step planned at 268 MB peaked at 298 MB; on the CPU 291 MB
-# with reuse, 254 MB without; tests/compiler/test_memory_contract.py). The caching
-# allocator hands the freed block to the next allocation anyway.
+# counts, and a step peaked above its plan (on CUDA and on the CPU alike;
+# tests/compiler/test_memory_contract.py checks the plan holds). The caching allocator
+# hands the freed block to the next allocation anyway.
 INDUCTOR_PATCHES = {
     "reorder_for_peak_memory": False,
     "reorder_for_locality": False,
@@ -33,10 +33,10 @@ INDUCTOR_PATCHES = {
     # The backward hands gradients to the optimizer through an effectful op
     # (ops.grad_to_optimizer), which AOT autograd wraps in `with_effects`; Inductor's FX
     # graph cache refuses any graph holding that operator unless it is marked cacheable,
-    # so every process recompiled the whole backward (24 layers: 27 of a 47 s first step
-    # on the CPU, 55-85 s first steps on the H200). Cached code calls the op by name with
-    # its ids as graph constants (hashed into the key); the value below, a hash of the
-    # ops' module, also enters the key, so changing the ops invalidates old entries.
+    # so every process recompiled the whole backward, which took most of a long first
+    # step on CPU and GPU alike. Cached code calls the op by name with its ids as graph
+    # constants (hashed into the key); the value below, a hash of the ops' module, also
+    # enters the key, so changing the ops invalidates old entries.
     "unsafe_marked_cacheable_functions": {"torch.ops.higher_order.with_effects": _OPS_VERSION},
 }
 

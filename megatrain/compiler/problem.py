@@ -15,10 +15,10 @@
                  CUDA at fp32 size (it leaves from an fp32 snapshot). With `fused` (Inductor's
                  Triton kernels) plus the unit's largest transient tensor: a fused kernel
                  computes several nodes at once, so one of them may be allocated before,
-                 or freed after, the moment the walk in FX order gives it (H200,
-                 2026-12-04: an 8-layer step planned at 267.8 MB peaked at 275.9 MB under
-                 Inductor with buffer reuse off; its largest transient is 22.5 MB; on the
-                 CPU, Inductor's C++ kernels stay within the walk: test_memory_contract)
+                 or freed after, the moment the walk in FX order gives it (under
+                 Inductor with buffer reuse off, a step's peak exceeded the walk's by
+                 less than its largest transient; on the CPU, Inductor's C++ kernels stay
+                 within the walk: test_memory_contract)
     flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
     inputs       the activation DAG: unit A reads an output of unit B in the forward
 

@@ -2,8 +2,8 @@
 
 Compiling never measures: a probe takes seconds and its numbers belong to the hardware, so
 it runs once (`megatrain.runtime.probe.load_or_probe(device)`) and its cache is read here.
-Without a cache the defaults stand in (DESIGN.md's H200 for CUDA, a modest CPU for the CPU
-device); `Rates.device` names which one a plan used.
+Without a cache the defaults stand in (plan/costs.py's plausible GPU rates for CUDA, a
+modest CPU for the CPU device); `Rates.device` names which one a plan used.
 """
 
 from __future__ import annotations

@@ -82,9 +82,9 @@ def default_chunk_size(n_tokens: int, vocab: int, element_size: int) -> int:
     Bigger chunks make fewer, larger GEMMs and fewer read-modify-writes of grad_weight
     (one per chunk, in the GEMM's epilogue); smaller ones bound the scratch logits and so
     the peak. 512 MiB gives 2048 tokens at V=128256 in bf16: 1/4 of the logits at 8k tokens,
-    1/8 at 16k. On an H200 at 8k tokens, V=128256, the op's kernels took 44.4 / 42.0 / 41.5
-    ms at 1024 / 2048 / 4096 tokens per chunk, while 4096 would put the peak within 3% of
-    the 4x-below-eager bound; 2048 keeps a margin for ~1% more time.
+    1/8 at 16k. Chunks larger than that gain little time (the GEMMs are already large) but
+    bring the peak close to the 4x-below-eager bound; 2048 keeps a margin
+    (bench/bench_kernels.py times the op).
     """
     fit = max(1, LOGITS_CHUNK_BYTES // max(1, vocab * element_size))
     chunk = 1 << (fit.bit_length() - 1)
@@ -173,7 +173,7 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(grad_h, grad_w)
     # No zero-filled incoming gradients for the two non-differentiable outputs: autograd
     # would otherwise allocate a grad_h- and a grad_w-sized tensor of zeros for the backward
-    # (the +1x grad_weight the GPU peak test measured, 2026-12-03, allocator trace).
+    # (an allocator trace showed one extra grad_weight-sized block at the peak).
     ctx.set_materialize_grads(False)
     if _eager(grad_h, grad_w):
         # Held as attributes, not saved tensors, so that the backward can hand autograd the

@@ -12,10 +12,10 @@ Backward, two launches and no atomics (deterministic):
    stays in registers; at the end the program writes one fp32 row of dweight partials.
 2. `_sum_partials_kernel`: sums the [programs, H] partials over programs in fp32 and
    writes dweight in the weight's dtype; ~128 column blocks, so it is one short wave.
-On an H200 at 8192 x 4096 bf16 the pair takes ~67 us (3.0 TB/s over the 3 x T x H x 2 B it
-must move); the previous version, 4 programs/SM and torch's sum + cast for pass 2, took
-82 us, and Inductor's backward for the pattern ~78 us. Swept: 1-2 programs/SM x 1-4 rows
-per tile within 67-82 us; more programs mean more partials, fewer leave bandwidth idle.
+The pair runs near the copy bandwidth over the 3 x T x H x 2 B it must move, faster than
+4 programs/SM with torch's sum + cast for pass 2, and than Inductor's backward for the
+pattern. Two programs per SM is the balance: more programs mean more partials to sum,
+fewer leave bandwidth idle (bench/bench_kernels.py times the kernels).
 """
 
 from __future__ import annotations

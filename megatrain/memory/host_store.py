@@ -117,7 +117,8 @@ def host_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
     mapping of its own, advised onto 2 MiB transparent huge pages, and starts on a 2 MiB
     boundary. Why: the host AdamW and the DMA stream these arrays every step, and torch's
     allocator leaves them on 4 KiB pages where THP is "madvise" (a common default): torch's
-    fused CPU AdamW ran 12-18% faster on huge pages (bench/results/NOTES.md).
+    fused CPU AdamW runs noticeably faster on huge pages (fewer TLB misses while streaming;
+    bench/probe_rates.py times it on both).
     Why aligned: only whole aligned 2 MiB windows of a mapping can be huge pages, and
     where the kernel puts a mapping depends on its version and its length (a 3 MiB one
     holds no aligned window about half the time), so the mapping is one huge page longer
@@ -224,8 +225,8 @@ def host_views(layout: FlatLayout, dtype: torch.dtype, pin: bool) -> list[torch.
     (AdamW's weight shadows): page-locked pages stay locked until the last view is
     collected. Why not `layout.views(host_buffer(...))`: `page_locked_tensor` unlocks when
     the flat tensor object is collected, which is as soon as the caller drops it, while the
-    views still read the memory (on the H200 every shadowed fetch then fell to the
-    pageable host-cast path)."""
+    views still read the memory (every shadowed fetch then fell to the pageable host-cast
+    path)."""
     if not pin:
         return layout.views(host_zeros(layout.numel, dtype))
     buf, lock = page_locked(layout.numel, dtype, users=len(layout.shapes))
@@ -250,14 +251,14 @@ def release_unused_pinned_blocks() -> None:
     autotuner, benchmarking a backward kernel that writes one of its inputs where cloning
     the input on the device would raise the peak, parks it in a fresh block of torch's
     pinned allocator (triton_heuristics' copy_args_to_cpu_if_needed) and drops it, and that
-    allocator keeps the block for the life of the process: 1 GiB, 0.78 B/param, at 1.3B
-    and 16k tokens on the H200 (bench/train.py's watch of the allocator named the
-    autotuner). The streamer calls this as each region's gradients leave during the first
+    allocator keeps the block for the life of the process: a sizeable share of the host
+    peak at long sequences (bench/train.py's watch of the allocator names the autotuner).
+    The streamer calls this as each region's gradients leave during the first
     backward: the autotuner runs at a kernel's first launch, and given back then the
     block is gone before the optimizer's moments exist, so it does not add to the step's
     host peak. Not gated on the allocator's "active" bytes: a block freed with copies
     queued on it counts as active until an allocation or an empty-cache checks their
-    events (so such a gate never fires; seen on the H200). Blocks whose copies have not
+    events (so such a gate never fires in practice). Blocks whose copies have not
     completed are kept, so no sync is needed; with nothing to free, the empty-cache only
     queries those events."""
     if pinned_allocator_bytes() > 0:
@@ -268,8 +269,8 @@ def release_cached_pinned_blocks(device: torch.device | None = None) -> None:
     """`release_unused_pinned_blocks` after a device sync (a block freed with copies still
     queued is reusable only once they complete) and a garbage collection (a block whose
     tensor only a reference cycle holds): the streamer's backstop at the end of the first
-    backward. On the H200 a block that stayed in use after this was held by
-    bench/train.py's own watch of the allocator (it kept the other threads' frames)."""
+    backward. A block still in use after this can be held by a debugging aid, such as
+    bench/train.py's watch of the allocator (it keeps the other threads' frames)."""
     if pinned_allocator_bytes() > 0:  # else nothing to give back: no sync, no collection
         torch.cuda.synchronize(device)
         gc.collect()

@@ -450,7 +450,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
     @property
     def host_busy_s(self) -> float:
         """Seconds the host worker has spent running updates (and accumulations) since
-        it started (``set_threads`` starts a new one): the measured side of the cost
+        it started (``set_threads`` starts a new one): the observed counterpart of the cost
         model's host stream."""
         return self._worker.busy_s
 

@@ -35,8 +35,8 @@ CUDA, m and v are moved once into page-locked host memory of their own (one buff
 region holding m then v, so they cross the link as one copy), page-locked in place like the
 host store's masters (not torch's pinned allocator, which rounds up to a power of two).
 
-The decision (:func:`update_site`): a pure cost model over the measured ``Rates``; see its
-docstring for the H200 numbers and what it picks there.
+The decision (:func:`update_site`): a pure cost model over the probed ``Rates``; see its
+docstring for a worked example and what it picks there.
 """
 
 from __future__ import annotations
@@ -153,27 +153,29 @@ def update_site(region_params: int, rates: "Rates", *, load: PhaseLoad = PhaseLo
     (the weight fetches: :meth:`PhaseLoad.streaming`; updates already placed). Host update:
     28 B/param of host memory (what ``Rates.adamw`` measures) plus the 16-bit gradient's
     D2H (2 B/param) and its DMA write. Device update: 12 B/param H2D + 12 B/param D2H at
-    the measured one-way and both-at-once rates, 24 B/param of host DMA traffic, and a
+    the probed one-way and both-at-once rates, 24 B/param of host DMA traffic, and a
     fixed ~50 us. Ties, and regions whose device buffers would not fit in
     ``device_free_bytes``, stay on the host. Pure: same inputs, same answer; a faster link
     never moves a region to the host, faster host memory never moves one to the device.
 
-    The lent H200 box (DESIGN.md section 4): pinned H2D 55 GB/s, D2H 55 GB/s, both at once
-    ~90 GB/s; host fused AdamW 3.8 G params/s = 106 GB/s (106-125 GB/s measured). Per
-    parameter, with the region's own fp32 weight fetch in the phase (4 B H2D, 4 B DMA):
+    A worked example at plan/costs.py's default CUDA rates: pinned H2D 55 GB/s, D2H 55 GB/s,
+    both at once ~90 GB/s; host fused AdamW 3.8 G params/s = 106 GB/s (faster host memory
+    runs it at up to ~125 GB/s). Per parameter, with the region's own fp32 weight fetch in
+    the phase (4 B H2D, 4 B DMA):
 
     - host:   link max(4/55, 2/55, 6/90) = 0.073 ns; host memory (4+28+2)/106 = 0.320 ns
     - device: link max(16/55, 12/55, 28/90) = 0.311 ns; host memory (4+24)/106 = 0.263 ns
 
     so ``update_site`` picks "device" at 106 GB/s (0.311 < 0.320 ns/param, 3% better) and
     "host" at 125 GB/s (0.272 ns/param < 0.311): one region alone is a toss-up within the
-    measured spread, because the device update saves host memory only 6 of its 34 B/param
+    spread of host rates, because the device update saves host memory only 6 of its 34 B/param
     (its DMA is host memory traffic too) while adding 22 B/param to the link. What pays is
     the mix: host memory is the backward's bottleneck and the link has room, so placing
     regions one by one against the running load (:func:`assign_sites`) puts 68-82% of the
-    parameters on the device and lowers the backward's transfer floor by 12-15%: 28 layers
-    of 100 M parameters (a 3B model) take 0.89 s all-host, 0.87 s all-device, 0.77 s mixed
-    (23 of 28 on the device) at 106 GB/s; 0.76, 0.87, 0.67 s (19 of 28) at 125 GB/s.
+    parameters on the device and lowers the backward's transfer floor by 12-15%: for 28
+    layers of 100 M parameters (a 3B model) the model gives 0.89 s all-host, 0.87 s
+    all-device, 0.77 s mixed (23 of 28 on the device) at 106 GB/s; 0.76, 0.87, 0.67 s
+    (19 of 28) at 125 GB/s.
     Tiny regions stay on the host (below ~3 M parameters the fixed cost decides).
     """
     if region_params < 0:

@@ -82,7 +82,7 @@ class HostWorker:
     def _run(self, fn: Callable[..., Any], args: tuple, after: tuple[Future, ...]) -> Any:
         """On the thread: wait for tracked work elsewhere on the same tensors (see
         `track`; not busy time), then run the task and add its time to `busy_s` (the
-        cost model's host-stream seconds, measured: `bench/train.py` compares the two)."""
+        cost model's host-stream seconds, as observed: `bench/train.py` compares the two)."""
         for f in after:
             f.result()
         t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """AdamW state that stays on the compute device between steps (``updates="resident"``).
 
-Why: where the host's memory bandwidth bounds the step (1.3B at 16k tokens on the H200:
-~38 B/param of host traffic per step, ~0.45 s at ~106 GB/s, against 0.335 s of GPU-resident
-compute), moving bytes between host and device cannot help much: a device-site update
+Why: where the host's memory bandwidth bounds the step (~38 B/param of host memory traffic
+per step can take longer at DRAM rates than the step's compute on the device), moving bytes
+between host and device cannot help much: a device-site update
 (device_update.py) still reads and writes master, m and v in host memory, by DMA. A
 parameter whose fp32 master, m and v live on the device costs no host memory traffic, no
 link bytes and ~0.1 ms of device time per step: its weight fetch is a cast on the device,
@@ -64,7 +64,7 @@ _BLOCK = 512
 # multiple of functional.PIECE_ALIGN (the CPU kernel's pieces round like the whole tensor)
 # and of CUDA's multi_tensor_apply chunk (65536 elements: the kernel's blocks cover the
 # same elements, aligned alike, as for the whole tensor). Large enough that the two
-# launches per piece cost little beside its ~0.1 ms of memory traffic on an H100.
+# launches per piece cost little beside its memory traffic (~0.1 ms on a current GPU).
 UPCAST_PIECE = 1 << 24
 
 

@@ -1,4 +1,4 @@
-"""Cost model: seconds per planner task, from FLOP and byte counts over measured rates.
+"""Cost model: seconds per planner task, from FLOP and byte counts over probed rates.
 
 `Rates` is what `megatrain.runtime.probe` measures once per machine. Durations are pure
 functions of (size, rates), and every one of them is non-increasing in every rate, so a
@@ -6,7 +6,7 @@ faster machine can never make a fixed schedule slower; the planner relies on tha
 "faster links never predict a slower step" guarantee.
 
 Copies in opposite directions share the PCIe link: when a pass moves bytes both ways, each
-direction is charged at most half of the measured both-at-once rate. The split is decided
+direction is charged at most half of the probed both-at-once rate. The split is decided
 per pass from which directions carry bytes, never from the simulated overlap, so a
 duration does not depend on the schedule it sits in.
 """
@@ -54,8 +54,9 @@ class Rates:
                      self.flops * compute, self.adamw * host)
 
 
-# The H200 box of DESIGN.md section 4, for examples and tests that need plausible numbers.
-H200 = Rates("NVIDIA H200 (DESIGN.md)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
+# A recent GPU on a PCIe Gen5 host, order of magnitude: the CUDA default without a probe, and
+# plausible numbers for examples and tests.
+H200 = Rates("GPU (default)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
 # A few-core CPU as the compute device (fp32 matmul, memcpy "transfers"), order of magnitude.
 CPU = Rates("CPU (default)", h2d=10e9, d2h=10e9, duplex=15e9, flops=100e9, adamw=0.5e9)
 

@@ -2,7 +2,7 @@
 
 Input: a `Problem` (problem.py: regions in forward order with their weights,
 boundary-activation and working-set bytes as sympy expressions or ints, FLOPs, the DAG of
-activations), a budget and measured `Rates`. Output: a `Plan` holding the chosen
+activations), a budget and probed `Rates`. Output: a `Plan` holding the chosen
 `Schedule` (simulate.py): one task sequence per stream (compute, h2d, d2h, host), the slot
 of every weight buffer, the simulated start and end of every task, the predicted peak
 device bytes and step time; `graph_events` (events.py) turns it into the `Transfer` lists

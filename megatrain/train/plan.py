@@ -1,7 +1,7 @@
 """The memory plan printed before training: host bytes, device bytes, predicted step time.
 
 Computed from the model's parameters alone (works on a meta-device model, so an 8B plan
-costs nothing) and the shape of a step. The numbers follow DESIGN.md §4: host keeps the
+costs nothing) and the shape of a step. The accounting: host keeps the
 fp32 master and AdamW moments (12 B/param), plus gradients in compatibility mode and a
 few pinned staging slabs; the device holds k weight slots of the largest streamed unit,
 the layer-boundary activations and one layer's working set. Once the backend exposes
@@ -75,7 +75,7 @@ class PlanConfig:
     slots: int = 3                # weight slots on the device (double buffer + one in use)
     data_bytes: int = 0
     checkpoint_shard_bytes: int = 4 * GiB
-    device_flops: float | None = None     # FLOP/s; None: 700e12 bf16 / 50e12 fp32 (H200), 5e10 CPU
+    device_flops: float | None = None     # FLOP/s; None: 700e12 bf16 / 50e12 fp32 (GPU), 5e10 CPU
     transfer_bytes_per_s: float | None = None  # H2D/D2H; None: 55e9 pinned PCIe, 10e9 on CPU
     host_bytes_per_s: float = 100e9       # host memory bandwidth seen by the optimizer
 
@@ -244,7 +244,7 @@ def explain_summary(step_fn) -> str | None:
     """The backend's own prediction, once `megatrain.explain(step)` exists (else None).
 
     Reads whichever of the documented fields the plan object has: predicted peak device
-    bytes and predicted step time (DESIGN.md §1, Introspection).
+    bytes and predicted step time, and the peak a step reached where it reports one.
     """
     try:
         import megatrain

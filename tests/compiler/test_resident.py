@@ -432,7 +432,7 @@ def test_a_step_over_gpu_memory_sends_the_last_admitted_regions_home(monkeypatch
     the last admitted first, as few as cover the excess over gpu_memory - gpu_memory/16,
     and the reserve shrinks by the excess; later steps keep that, and training goes on
     bitwise like the host path."""
-    from megatrain.runtime.streamer import MEASURED_STEP, RESERVE_MARGIN
+    from megatrain.runtime.update_room import MEASURED_STEP, RESERVE_MARGIN
 
     torch.manual_seed(11)
     model = llama(layers=3)
@@ -468,7 +468,7 @@ def test_an_overrun_beyond_the_resident_state_sends_all_home_and_warns(monkeypat
     """Where the excess is more than the resident state holds, every region goes home, the
     reserve keeps nothing, and a RuntimeWarning names the bytes still over and the fix;
     training goes on bitwise like the host path."""
-    from megatrain.runtime.streamer import MEASURED_STEP
+    from megatrain.runtime.update_room import MEASURED_STEP
 
     torch.manual_seed(12)
     model = llama(layers=2)

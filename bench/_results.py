@@ -49,6 +49,8 @@ def run_metadata() -> dict:
         "torch": torch.__version__, "triton": _version("triton"),
         "python": platform.python_version(),
         "commit": commit, "dirty": dirty, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z", now),
+        # which machine: rows of two runs on one warm machine may be compared (readme_table)
+        "hostname": platform.node(),
     }
 
 

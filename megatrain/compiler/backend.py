@@ -202,7 +202,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             raise
         compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
                                                        unfused)
-    _check_host_memory(plan, cap, opts)
+    _check_host_memory(plan, cap, opts, streamer)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
     for r in cap.regions.regions:
@@ -217,9 +217,9 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     return compiled
 
 
-def _check_host_memory(plan: GraphPlan, cap, opts: Options) -> None:
+def _check_host_memory(plan: GraphPlan, cap, opts: Options, streamer) -> None:
     """The graph's host needs (host_budget.py) against host_memory, before anything of the
-    step is allocated or any parameter moves."""
+    step is allocated or any parameter moves; the gradient slabs may grow into the rest."""
     if plan.schedule is None:
         return
     chosen = plan.schedule.plan
@@ -229,6 +229,7 @@ def _check_host_memory(plan: GraphPlan, cap, opts: Options) -> None:
                                    opts.compute_dtype.itemsize, opts.weight_shadow)
     plan.host_needs, plan.host_memory = needs, opts.host_memory
     host_budget.check_host_budget(needs, opts.host_memory)
+    streamer.bound_host_slabs(host_budget.slab_room(needs, opts.host_memory))
 
 
 _FUSED_LOSS = ("linear_cross_entropy",)

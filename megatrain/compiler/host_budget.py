@@ -32,6 +32,9 @@ GRAD_BYTES = 4  # fp32 p.grad for an optimizer megatrain does not feed directly
 SHADOW_BYTES = 2  # bf16 weight shadow
 
 
+SLABS = f"gradient slabs ({MIN_SLABS} of the largest region's)"
+
+
 def host_needs(params: Sequence[torch.Tensor], region_params: Mapping[int, Sequence[int]],
                offloaded_bytes: int, grad_itemsize: int, weight_shadow: bool) -> dict[str, int]:
     """Host bytes this graph adds, by what holds them (zero entries left out)."""
@@ -50,7 +53,7 @@ def host_needs(params: Sequence[torch.Tensor], region_params: Mapping[int, Seque
     needs = {
         "optimizer moments to create": moments,
         "fp32 gradients (p.grad)": grads,
-        f"gradient slabs ({MIN_SLABS} of the largest region's)": MIN_SLABS * slab,
+        SLABS: MIN_SLABS * slab,
         "activations waiting in host memory": offloaded_bytes,
         "bf16 weight shadows": SHADOW_BYTES * sum(p.numel() for p in params) if weight_shadow else 0,
     }
@@ -69,3 +72,11 @@ def check_host_budget(needs: Mapping[str, int], host_memory: int | None) -> None
         f"unset, it is the RAM available at compile time less a margin); give host_memory of at "
         f"least {total} bytes if the host has it, free host memory, or train a smaller model; a "
         f"larger gpu_memory lets the plan keep activations on the device")
+
+
+def slab_room(needs: Mapping[str, int], host_memory: int | None) -> int | None:
+    """The bytes all gradient slabs may hold together: host_memory less every other need
+    (None: no budget)."""
+    if host_memory is None:
+        return None
+    return host_memory - sum(v for k, v in needs.items() if k != SLABS)

@@ -15,8 +15,9 @@ How many: a slab is added only when the backward would otherwise wait for the op
   and past two only while ``overlap()`` says the GPU has work a lagging host can overlap
   (some regions' updates bypass the host optimizer: resident AdamW state, device-site
   updates; or the host backlog defers updates into the next forward, deadlines.py) and
-  host memory has room: the new slab must leave at least ``HOST_FREE_FRACTION`` of the
-  host's RAM (and ``HOST_FREE_MIN``) available.
+  host memory has room: all slabs together stay within ``host_bytes`` (what the
+  ``host_memory`` option leaves them, compiler/host_budget.py) and the new slab leaves the
+  host at least ``host_store.host_margin`` of its RAM available.
 
 Why: where the host's updates bound the step, a backward that waits for a slab holds the
 GPU idle while the host works, and the host then idles through the regions that need it
@@ -52,8 +53,6 @@ from ..memory.host_store import host_buffer
 
 _ALIGN = 64  # bytes: every gradient starts on a cache line
 MIN_SLABS = 2  # always allowed: one region being updated, the next one copied in
-HOST_FREE_FRACTION = 1 / 8  # of the host's RAM, left available by a slab added past MIN_SLABS
-HOST_FREE_MIN = 2 << 30  # bytes, likewise (small hosts)
 
 
 class Slab:
@@ -80,9 +79,10 @@ class GradSlabs:
     host memory has room (see the module docstring)."""
 
     def __init__(self, pin: bool, max_slabs: int | None = None,
-                 overlap: Callable[[], bool] = lambda: False):
+                 overlap: Callable[[], bool] = lambda: False, host_bytes: int | None = None):
         self.pin = pin
         self.max_slabs = check_max_slabs(max_slabs)
+        self.host_bytes = host_bytes  # the most bytes all slabs may hold past MIN_SLABS (None: no bound)
         self.overlap = overlap  # whether GPU work that needs no host update exists now
         self.slab_bytes = 0
         self.allocated = 0
@@ -166,12 +166,14 @@ class GradSlabs:
             return True
         if not self.overlap():
             return False
+        size = max(self.slab_bytes, _ALIGN)
+        if self.host_bytes is not None and (self.allocated + 1) * size > self.host_bytes:
+            return False
         mem = host_store.host_memory()
         if mem is None:
             return False
         available, total = mem
-        keep = max(int(total * HOST_FREE_FRACTION), HOST_FREE_MIN)
-        return available - max(self.slab_bytes, _ALIGN) >= keep
+        return available - size >= host_store.host_margin(total)
 
     def _acquire(self) -> Slab:
         with self._cv:

@@ -304,6 +304,11 @@ class Streamer:
         for other in others:
             other.resident.demote_all("another compiled graph holds resident regions now")
 
+    def bound_host_slabs(self, nbytes: int | None) -> None:
+        """The most bytes the gradient slabs may hold together once they grow past two
+        (what host_memory leaves them; None: no bound but the host's free RAM)."""
+        self._slabs.host_bytes = nbytes
+
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the
         largest fetch is ``region_numel`` parameters (only CUDA casts on the device)."""

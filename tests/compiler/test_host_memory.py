@@ -92,3 +92,14 @@ def test_a_budget_one_byte_short_is_refused_before_anything_moves():
     assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
     plan = first_step(model, opt, host_memory=need)  # the corrected budget trains
     assert sum(plan.host_needs.values()) == need and plan.graphs[0].host_memory == need
+
+
+def test_the_gradient_slabs_get_what_host_memory_leaves():
+    """The runtime's slabs may grow into host_memory less every other need of the graph."""
+    torch.manual_seed(2)
+    model = Llama(small_llama_config(2, False))
+    opt = megatrain.AdamW(model.parameters(), lr=1e-3)
+    budget = 64 << 20
+    plan = first_step(model, opt, host_memory=budget).graphs[0]
+    others = sum(v for k, v in plan.host_needs.items() if not k.startswith("gradient slabs"))
+    assert plan.streamer._slabs.host_bytes == budget - others > 0

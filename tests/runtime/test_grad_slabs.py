@@ -102,6 +102,20 @@ def test_by_default_slabs_grow_beside_overlapping_work_while_host_memory_has_roo
     assert len(got) == 3 and slabs.allocated == 2, "a released slab did not unblock the backward"
 
 
+def test_slabs_grow_only_within_the_bytes_host_memory_leaves_them(monkeypatch):
+    from megatrain.memory import host_store
+
+    monkeypatch.setattr(host_store, "host_memory", lambda: (40 << 30, 64 << 30))
+    slabs = GradSlabs(pin=False, overlap=lambda: True, host_bytes=3 * 1024 + 1023)
+    slabs.reserve(1024)
+    got = _lagging_backward(slabs, 6)
+    assert len(got) == 3 and slabs.allocated == 3, "slabs grew past host_bytes"
+    # the first two are the plan's and always allowed, whatever the bound
+    slabs = GradSlabs(pin=False, overlap=lambda: True, host_bytes=0)
+    slabs.reserve(1024)
+    assert len(_lagging_backward(slabs, 4)) == 2
+
+
 def test_unknown_host_memory_keeps_two_slabs(monkeypatch):
     from megatrain.memory import host_store
 

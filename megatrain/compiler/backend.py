@@ -24,7 +24,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import host_budget, update_sites
+from . import decide
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -143,39 +143,11 @@ def _warn_without_layers(cap, note: str, piece: bool) -> None:
         warnings.warn(f"megatrain: {note}", stacklevel=4)
 
 
-def _place_updates(plan: GraphPlan, streamer, handoffs, params, opts: Options) -> None:
-    """Decide where each region's AdamW update runs (update_sites.py), record it in the
-    plan and hand the device regions to the runtime."""
-    problem = plan.schedule.plan.schedule.problem
-    itemsize = opts.compute_dtype.itemsize
-    largest = update_sites.largest_fetch_params(problem, itemsize)
-    staging = streamer.cast_staging_bytes(largest)
-    room = max(0, opts.gpu_memory - plan.predicted_peak_bytes - staging)
-    # Older gradient snapshots may wait for their copies to the host (settle_snapshots) up
-    # to one fetch's gradients, where the budget has that room beside the plan: the copies
-    # may then lag the backward by a region before the compute stream waits for them.
-    streamer.snapshot_window = min(room, streamer.snapshot_window_bytes(largest))
-    reserve = room - streamer.snapshot_window
-    regions = update_sites.gradient_regions(handoffs)
-    sites = update_sites.choose_sites(
-        opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
-        streamed_params=update_sites.backward_streamed_params(problem, itemsize))
-    plan.update_sites, plan.update_reserve = sites, reserve
-    plan.update_params = {g.region: tuple(g.pids) for g in regions}
-    # Every region that may become resident, in the order the runtime acquires their bytes:
-    # now the ones update_sites chose, more once measured steps let the reserve grow.
-    resident = {g.region: list(g.pids) for g in reversed(regions)
-                if opts.updates == "resident" and not g.shared}
-    streamer.place_updates({g.region: list(g.pids) for g in regions if sites[g.region] == "device"},
-                           reserve, resident=resident)
-
-
 def _share_cores(params, opts: Options) -> None:
     """Streaming on a GPU, the host optimizer shares the cores and host memory bandwidth
-    with the copies, the launch thread and autograd. Measured on the H200 box (16 cores,
-    1.3B, 16k tokens): 16 optimizer threads 0.630 s/step, 12: 0.589, 8: 0.578, 6: 0.567,
-    4: 0.590 (bench/results/NOTES.md). So an optimizer whose threads the user
-    left unset gets half the cores."""
+    with the copies, the launch thread and autograd: fewer threads than cores update
+    faster there (bench/train.py --optim-threads sweeps it). So an optimizer whose threads
+    the user left unset gets half the cores."""
     if opts.device.type != "cuda":
         return
     half = max(1, torch.get_num_threads() // 2)
@@ -191,7 +163,6 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params,
                                      grad_slabs=opts.grad_slabs)
-    streamer.weight_shadow = opts.weight_shadow
     sid = streamer_mod.register(streamer)
     # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
     retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None
@@ -202,7 +173,6 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
             raise
         compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
                                                        unfused)
-    _check_host_memory(plan, cap, opts, streamer)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
     for r in cap.regions.regions:
@@ -215,21 +185,6 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
         streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
     explain_mod.record(plan)
     return compiled
-
-
-def _check_host_memory(plan: GraphPlan, cap, opts: Options, streamer) -> None:
-    """The graph's host needs (host_budget.py) against host_memory, before anything of the
-    step is allocated or any parameter moves; the gradient slabs may grow into the rest."""
-    if plan.schedule is None:
-        return
-    chosen = plan.schedule.plan
-    out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
-    offloaded = sum(int(out_bytes[u]) for u in chosen.config.offloaded)
-    needs = host_budget.host_needs(cap.params, cap.region_params, offloaded,
-                                   opts.compute_dtype.itemsize, opts.weight_shadow)
-    plan.host_needs, plan.host_memory = needs, opts.host_memory
-    host_budget.check_host_budget(needs, opts.host_memory)
-    streamer.bound_host_slabs(host_budget.slab_room(needs, opts.host_memory))
 
 
 _FUSED_LOSS = ("linear_cross_entropy",)
@@ -317,16 +272,14 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
         handoffs = gradient_handoffs(bw) if bw is not None else []
         if handoffs:
-            per_param, per_region = collections.Counter(p for _, p in handoffs), collections.Counter(
-                r for r, _ in handoffs)
-            streamer.expect_gradients(per_param, per_region)
             _share_cores(cap.params, opts)
-            _place_updates(plan, streamer, handoffs, cap.params, opts)
-            if opts.backlog is not None:
-                streamer.enable_backlog(opts.backlog, handoffs)
-            elif opts.grad_chunk is not None:
-                streamer.enable_grad_ring(opts.grad_chunk)
+        configure(decide.step_plan(plan, cap, opts, streamer, handoffs, training=bw is not None))
         return fw, bw
+
+    def configure(step):
+        """The one way decisions reach the runtime (and explain)."""
+        plan.record(step)
+        streamer.configure(step)
 
     def fw_compiler(fx_gm, inputs):
         plan.forward_code = fx_gm.code
@@ -345,6 +298,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def inference_compiler(fx_gm, inputs):
         transfers(fx_gm, None)
+        configure(decide.step_plan(plan, cap, opts, streamer, (), training=False))
         return fw_compiler(fx_gm, inputs)
 
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"

@@ -36,11 +36,13 @@ SLABS = f"gradient slabs ({MIN_SLABS} of the largest region's)"
 
 
 def host_needs(params: Sequence[torch.Tensor], region_params: Mapping[int, Sequence[int]],
-               offloaded_bytes: int, grad_itemsize: int, weight_shadow: bool) -> dict[str, int]:
-    """Host bytes this graph adds, by what holds them (zero entries left out)."""
+               offloaded_bytes: int, grad_itemsize: int, weight_shadow: bool,
+               training: bool = True) -> dict[str, int]:
+    """Host bytes this graph adds, by what holds them (zero entries left out); a graph
+    that computes no gradients (``training=False``) adds only its offloaded activations."""
     moments = grads = 0
     fed = set()  # parameters whose gradients go to megatrain.AdamW through slabs
-    for i, p in enumerate(params):
+    for i, p in enumerate(params if training else ()):
         opt = owner_of(p)
         if opt is None:
             grads += GRAD_BYTES * p.numel()
@@ -55,7 +57,7 @@ def host_needs(params: Sequence[torch.Tensor], region_params: Mapping[int, Seque
         "fp32 gradients (p.grad)": grads,
         SLABS: MIN_SLABS * slab,
         "activations waiting in host memory": offloaded_bytes,
-        "bf16 weight shadows": SHADOW_BYTES * sum(p.numel() for p in params) if weight_shadow else 0,
+        "bf16 weight shadows": SHADOW_BYTES * sum(p.numel() for p in params) if weight_shadow and training else 0,
     }
     return {k: v for k, v in needs.items() if v}
 

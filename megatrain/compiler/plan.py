@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import timeline as timeline_mod
+from ..plan.step_plan import StepPlan
 from .regions import Region
 
 
@@ -40,11 +41,23 @@ class GraphPlan:
     # (compiler/host_budget.py), and the host_memory budget they were held to.
     host_needs: dict[str, int] = field(default_factory=dict)
     host_memory: int | None = None
+    # Every decision the runtime was built from (plan/step_plan.py); the fields above it
+    # that describe decisions are read from it (record).
+    step_plan: StepPlan | None = None
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property
     def code(self) -> str:
         return f"# forward\n{self.forward_code}\n# backward\n{self.backward_code}"
+
+    def record(self, step: StepPlan) -> None:
+        """Keep the StepPlan the runtime is built from, and its decisions in the fields
+        explain has always shown."""
+        self.step_plan = step
+        self.update_sites = step.sites
+        self.update_reserve = step.update_reserve
+        self.update_params = {r.id: r.params for r in step.regions if r.params}
+        self.host_needs, self.host_memory = dict(step.host_needs), step.host_memory
 
     @property
     def slots(self) -> int:

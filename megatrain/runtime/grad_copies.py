@@ -40,7 +40,7 @@ def settle_snapshots(in_flight: list[GradCopy], window: int, wait, keep_newest: 
     the host noticed its copy. H200, 3B at 16k tokens: 6.3 GiB of snapshots (15 layers'
     gradients) were allocated at the step's peak, where the plan counts each gradient
     until the next hand-off; the window is room the budget has beside the plan
-    (compiler/backend.py, _place_updates)."""
+    (compiler/decide.py)."""
     held = []
     for copy in in_flight:
         if copy.snapshot is not None and not copy.done.query():

@@ -41,6 +41,7 @@ from ..memory.host_store import (
 from ..memory.layout import FlatLayout
 from ..memory.pool import DevicePool
 from ..optim.registry import owner_of
+from ..plan.step_plan import StepPlan
 from . import graph_order, handoff_graphs
 from .activation_offload import ActivationStore
 from .deadlines import Deadlines
@@ -125,7 +126,8 @@ class Streamer:
         self.last_stats: StepStats | None = None
         self.index = -1
         self.region_names: dict[int, str] = {}  # for the safety net's error (wait)
-        self.weight_shadow = False  # option weight_shadow: fetch from AdamW's bf16 shadows
+        self.weight_shadow = False  # fetch from AdamW's bf16 shadows (StepPlan.weights_from)
+        self.step_plan: StepPlan | None = None  # configure
         self.grad_transfer_dtype: torch.dtype | None = GRAD_TRANSFER_DTYPE  # None: compute dtype
         # -- weights in: each region's buffers, from prefetch to evict --
         self._weights = WeightCopier(self._ctx, compute_dtype, CAST_CHUNK, staging_slots)
@@ -304,10 +306,31 @@ class Streamer:
         for other in others:
             other.resident.demote_all("another compiled graph holds resident regions now")
 
-    def bound_host_slabs(self, nbytes: int | None) -> None:
-        """The most bytes the gradient slabs may hold together once they grow past two
-        (what host_memory leaves them; None: no bound but the host's free RAM)."""
-        self._slabs.host_bytes = nbytes
+    def configure(self, step: StepPlan) -> None:
+        """Build this graph pair's runtime side from its plan (plan/step_plan.py), once:
+        the gradients the backward sends, the updates beside the plan and the resident
+        candidates, how gradients reach the host and the host memory their slabs may hold.
+        A second, different plan for the same streamer is a bug: the graphs were lowered
+        for the first."""
+        if self.step_plan is not None:
+            assert step == self.step_plan, "a streamer is configured from one StepPlan"
+            return
+        self.step_plan = step
+        self.region_names = {r.id: r.name for r in step.regions}
+        self.weight_shadow = step.weights_from == "shadows"
+        g = step.gradients
+        self._slabs.set_max_slabs(g.max_slabs)
+        self._slabs.host_bytes = g.host_slab_bytes
+        if not step.handoffs:
+            return
+        self.expect_gradients(collections.Counter(p for _, p in step.handoffs),
+                              collections.Counter(r for r, _ in step.handoffs))
+        self.snapshot_window = step.snapshot_window
+        self.place_updates(step.device_regions, step.update_reserve, resident=step.resident_order)
+        if g.route == "backlog":
+            self.enable_backlog(g.backlog, list(step.handoffs))
+        elif g.route == "ring":
+            self.enable_grad_ring(g.chunk_bytes)
 
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the

@@ -1,0 +1,82 @@
+"""From the planner's schedule and the options to the StepPlan the runtime is built from.
+
+The schedule fixes what the graphs do (transfer nodes, peak, predicted step). What is
+left is decided here, once per compiled graph pair, and written into one frozen
+``plan.step_plan.StepPlan``: where each region's AdamW update runs (update_sites.py,
+within the device memory the schedule leaves free), how gradients reach the host, what
+the step adds to host memory and whether ``host_memory`` holds it (host_budget.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..plan.step_plan import GradientPath, RegionDecision, StepPlan
+from . import host_budget, update_sites
+from .options import Options
+
+
+def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, int]],
+              training: bool) -> StepPlan:
+    """The StepPlan of `plan` (a GraphPlan whose schedule is set) for the capture `cap`;
+    `handoffs`: the backward's (region, param id) gradient hand-offs to megatrain.AdamW
+    (none for another optimizer); `training`: the pair has a backward. `streamer` is asked for its own sizes only (cast staging, the
+    snapshot window), never changed. Raises where host_memory cannot hold the step."""
+    sched = plan.schedule
+    chosen = sched.plan
+    itemsize = opts.compute_dtype.itemsize
+    regions = update_sites.gradient_regions(handoffs)
+    sites, reserve, window = _update_sites(plan, opts, streamer, regions, cap.params) if regions else ({}, 0, 0)
+
+    out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
+    offloaded_units = sorted(chosen.config.offloaded)
+    offloaded_bytes = sum(int(out_bytes[u]) for u in offloaded_units)
+    needs = host_budget.host_needs(cap.params, cap.region_params, offloaded_bytes, itemsize,
+                                   opts.weight_shadow, training=training)
+    host_budget.check_host_budget(needs, opts.host_memory)
+
+    offloaded = {sched.units[u][-1] if sched.units.get(u) else u for u in offloaded_units}
+    by_region = {g.region: g for g in regions}
+    decisions = []
+    for r in cap.regions.regions:
+        g = by_region.get(r.id)
+        decisions.append(RegionDecision(
+            id=r.id, name=r.name, params=tuple(g.pids) if g else (), update=sites.get(r.id, "host"),
+            resident_candidate=bool(g) and opts.updates == "resident" and not g.shared,
+            boundary="offloaded" if r.id in offloaded else "kept"))
+    return StepPlan(
+        regions=tuple(decisions), prefetch=chosen.config.slots - 1,
+        weights_from="shadows" if opts.weight_shadow else "masters", keep_weights=opts.keep_weights,
+        gradients=_gradient_path(opts, needs), handoffs=tuple(handoffs), update_reserve=reserve,
+        snapshot_window=window, host_needs=tuple(needs.items()), host_memory=opts.host_memory,
+        predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time)
+
+
+def _update_sites(plan, opts: Options, streamer, regions, params: Sequence[torch.Tensor]):
+    """(site per region, the reserve beside the plan, the snapshot window): the device
+    memory the plan leaves free, less the weight path's cast staging, holds the gradient
+    snapshots that may await their copy (up to one fetch's gradients: the copies may then
+    lag the backward by a region) and then the updates placed on the device."""
+    problem = plan.schedule.plan.schedule.problem
+    itemsize = opts.compute_dtype.itemsize
+    largest = update_sites.largest_fetch_params(problem, itemsize)
+    room = max(0, opts.gpu_memory - plan.predicted_peak_bytes - streamer.cast_staging_bytes(largest))
+    window = min(room, streamer.snapshot_window_bytes(largest))
+    reserve = room - window
+    sites = update_sites.choose_sites(
+        opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
+        streamed_params=update_sites.backward_streamed_params(problem, itemsize))
+    return sites, reserve, window
+
+
+def _gradient_path(opts: Options, needs) -> GradientPath:
+    slab_bytes = host_budget.slab_room(needs, opts.host_memory)
+    if opts.backlog is not None:
+        return GradientPath("backlog", backlog=opts.backlog, max_slabs=opts.grad_slabs,
+                            host_slab_bytes=slab_bytes)
+    if opts.grad_chunk is not None:
+        return GradientPath("ring", chunk_bytes=opts.grad_chunk, max_slabs=opts.grad_slabs,
+                            host_slab_bytes=slab_bytes)
+    return GradientPath("slabs", max_slabs=opts.grad_slabs, host_slab_bytes=slab_bytes)

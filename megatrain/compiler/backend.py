@@ -212,7 +212,7 @@ def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
                              unfused: InfeasibleBudget):
     """Plan the graph again with the fused linear-cross-entropy, which never materialises the
     [tokens, vocab] logits, their fp32 upcast and their gradient: the loss region's backward
-    is where a long sequence's step peaks. This is for memory, not speed: on the H200 the
+    is where a long sequence's step peaks. This is for memory, not speed: the
     fused loss is no faster than Inductor's code (fusions.DEFAULT's comment), so by the
     kernel policy (fusions.py) it is off by default and used only when the budget needs it.
     Raises the retry's InfeasibleBudget, saying the fused loss was already tried."""

@@ -1,10 +1,10 @@
 """The order in which regions' gradients reach the host optimizer: earliest deadline first.
 
-Why: where the host AdamW bounds the step it lags the backward (3B/16k on the H200: 0.97 s
-of updates against ~0.5 s of backward), and in arrival order (last layer first) region 0,
+Why: where the host AdamW bounds the step it lags the backward (its updates can take
+longer than the whole backward), and in arrival order (last layer first) region 0,
 whose gradient comes last and whose weights the next forward needs first, is updated last:
 the next forward starts only when every update is done, and the step is the updates plus
-the forward (1.32 s measured there; bench/results/NOTES.md). Served earliest
+the forward. Served earliest
 deadline first, the deadline being the region's first fetch in the forward, the updates
 the host has not reached when backward ends are those the next forward needs last; the
 forward runs beside them, each fetch waiting only for its own region's update

@@ -37,8 +37,8 @@ def settle_snapshots(in_flight: list[GradCopy], window: int, wait, keep_newest: 
 
     Why not only those whose event says done: the launch thread runs ahead of the GPU, so
     the events it queries are often not reached yet, and each snapshot was held until
-    the host noticed its copy. H200, 3B at 16k tokens: 6.3 GiB of snapshots (15 layers'
-    gradients) were allocated at the step's peak, where the plan counts each gradient
+    the host noticed its copy: a launch thread running far ahead of the GPU so held many
+    layers' gradient snapshots at the step's peak, where the plan counts each gradient
     until the next hand-off; the window is room the budget has beside the plan
     (compiler/decide.py)."""
     held = []

@@ -131,7 +131,7 @@ class RingRoute(GradRoute):
             if ctx.cuda:
                 # Timed piece by piece: the host may wait for a free chunk between two
                 # pieces, and a pair around the whole gradient counted that wait as copying
-                # (the ring's copies read 2.4x slower that way on the H200).
+                # (the ring's copies read several times slower that way).
                 with torch.cuda.stream(d2h):
                     started = torch.cuda.Event(enable_timing=True)
                     started.record(d2h)

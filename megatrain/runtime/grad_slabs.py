@@ -21,13 +21,12 @@ How many: a slab is added only when the backward would otherwise wait for the op
 
 Why: where the host's updates bound the step, a backward that waits for a slab holds the
 GPU idle while the host works, and the host then idles through the regions that need it
-not: on the H200 at 1.3B/16k with ``updates="resident"`` (12 GiB, 12 of 26 regions
-resident) two slabs gave 0.426 s/step and sixteen 0.365 (bench/results/NOTES.md, session
-14): the backward ran free and the host worked through the resident regions' backward and
-the next forward. Where every region goes through the host, more slabs buy nothing: the
-next forward's first region is the last one updated, so it starts when the host is done
-either way (3B/16k, nothing resident: 26 slabs, 10.4 GB of host memory, 1.39 s/step
-against 1.31 with two), unless the host backlog serves that region first. A slab is only
+not: with ``updates="resident"`` and part of the regions resident, many slabs made the
+step markedly shorter than two did: the backward ran free and the host worked through the
+resident regions' backward and the next forward. Where every region goes through the host,
+more slabs buy nothing: the next forward's first region is the last one updated, so it
+starts when the host is done either way (with nothing resident, a slab per region cost
+gigabytes of host memory and no time), unless the host backlog serves that region first. A slab is only
 added while the host lags, and a lagging step holds at most about one per host-updated
 region (a region fills one slab at a time, and every fetch of the next forward waits for
 its region's update, so the previous step's slabs are back before the next backward).

@@ -133,8 +133,8 @@ def _copy_rates(device: torch.device, nbytes: int, repeats: int) -> tuple[float,
 def _matmul_rate(device: torch.device, n: int, repeats: int) -> float:
     """FLOP/s of a training step's GEMM mix: a Linear's forward (x @ W.T) and its two
     backward products (g @ W, g.T @ x), timed together: training runs the three layouts in
-    equal FLOPs, and they differ in speed (the 3B/32k profile's GEMMs averaged ~710 TFLOP/s
-    on the H200, where one square x @ W product measured 786)."""
+    equal FLOPs, and they differ in speed (a training step's GEMMs average noticeably less
+    than one square x @ W product runs at)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x, w, g = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(3))
 

@@ -8,8 +8,8 @@ For a region the plan made resident (megatrain.compiler.update_sites):
         scratch beside them, as large as the largest such parameter but at most
         ``resident.UPCAST_PIECE`` elements (64 MiB; ``resident.upcast_scratch_numel``): a
         larger one is upcast and updated piece by piece, so the scratch does not grow with
-        the largest parameter (a 3B model's embedding would need 0.37 GiB, which on the
-        H200 kept that embedding off the device). Candidates that do not fit keep
+        the largest parameter (a 3B model's embedding would need 0.37 GiB, which can be
+        enough to keep that embedding off the device). Candidates that do not fit keep
         their other site until the reserve grows (``Streamer.grow_reserve``, from the
         second step's measured peak); ``acquire`` then admits them in the same order.
     fetch: the first one adopts the region (``AdamW.make_resident``: master, m, v copied to

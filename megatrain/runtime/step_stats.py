@@ -74,7 +74,7 @@ class StepStats:
         was in when each began: how many, their parameters and busy seconds. Why: whether
         the host's update rate falls while the forward's weight copies read host memory
         beside it, which decides what overlapping updates with the forward is worth (the
-        device backlog's updates took twice as long at 1.3B; bench/results/NOTES.md). Host
+        device backlog's updates ran much slower beside the forward's copies). Host
         clock: a phase starts when the host thread got there, ahead of
         the GPU by what it has queued."""
         marks = sorted((t, name) for name, t in self.phase_starts.items())

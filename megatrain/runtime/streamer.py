@@ -66,8 +66,8 @@ from .weight_fetch import Inflight, WeightCopier, host_copies_current
 
 # Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross the
 # link in fp32: twice bf16's bytes, but the host optimizer then runs torch's fused AdamW
-# directly instead of upcasting chunk by chunk, and the host is the bottleneck. H200, 1.3B,
-# 16k tokens, 8 optimizer threads: 0.535 s/step with fp32 against 0.578 with bf16
+# directly instead of upcasting chunk by chunk, and the host is the bottleneck: with
+# several optimizer threads the step is shorter in fp32 than in bf16
 # (bench/train.py --optim-threads 8/bf16,8/fp32).
 GRAD_TRANSFER_DTYPE = torch.float32
 

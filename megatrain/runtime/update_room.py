@@ -80,9 +80,9 @@ class UpdateRoom:
         """Lend resident regions what a measured step left free beyond the plan's proof.
 
         Why: the plan's peak is an upper bound, and a loose one where Inductor fuses what
-        the planner's walk counts as separate tensors: at 1.3B/16k it counts three fp32
-        [tokens, vocab] tensors in the loss's backward that Inductor never makes, ~5 GiB
-        of the 12 GiB budget (bench/results/NOTES.md). Static shapes repeat the
+        the planner's walk counts as separate tensors: at a long sequence it counts three
+        fp32 [tokens, vocab] tensors in the loss's backward that Inductor never makes, a
+        large share of a tight budget. Static shapes repeat the
         same step, so the second whole step's allocator peak (``measured_peak``: every
         byte allocated on the device at the step's high-water mark, whoever holds it; the
         first step also adopts resident state and autotunes) is what later steps need,
@@ -108,8 +108,8 @@ class UpdateRoom:
 
     def shrink(self, measured_peak: int) -> None:
         """A measured step went over gpu_memory: the plan's peak, which the reserve was
-        sized against, counted short (at 3B/16k with the fused loss the step's allocator
-        peak was 20.2-21.5 GiB with a 20 GiB budget: bench/results/NOTES.md).
+        sized against, counted short (with the fused loss, a long sequence's allocator
+        peak can go past the budget).
         The excess is what the step must shed to peak ``gpu_memory/16`` below the budget
         (the margin grow keeps): resident regions go home, the last admitted
         first, until their bytes cover it, and the reserve shrinks by the excess, so

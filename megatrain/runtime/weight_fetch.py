@@ -4,7 +4,7 @@ fp32 masters sit in pinned host memory (host_store), so a region is DMA'd as fp3
 small device staging chunk and cast to the compute dtype there, on the copy stream. PCIe
 then carries 4 bytes per parameter instead of 2, but the host does no work at all: a
 host-side cast would read 4 and write 2 bytes per parameter per fetch on the host memory
-bus the optimizer is bound by (bench/results/NOTES.md). Unpinned or over-budget cases fall
+bus the optimizer is bound by. Unpinned or over-budget cases fall
 back to a host cast thread into pinned staging. Two more sources skip the masters: a
 resident region's device masters (resident_regions.py), and with option weight_shadow the
 optimizer's page-locked copies in the compute dtype.

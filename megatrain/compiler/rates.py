@@ -13,7 +13,7 @@ import json
 import torch
 
 from ..runtime import probe
-from ..plan.costs import CPU, H200, Rates
+from ..plan.costs import CPU, GPU_DEFAULT, Rates
 
 
 def compile_rates(device: torch.device) -> Rates:
@@ -24,4 +24,4 @@ def compile_rates(device: torch.device) -> Rates:
             return rates
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no cache, or an unreadable one: the defaults
-    return H200 if torch.device(device).type == "cuda" else CPU
+    return GPU_DEFAULT if torch.device(device).type == "cuda" else CPU

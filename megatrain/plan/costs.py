@@ -56,7 +56,7 @@ class Rates:
 
 # A recent GPU on a PCIe Gen5 host, order of magnitude: the CUDA default without a probe, and
 # plausible numbers for examples and tests.
-H200 = Rates("GPU (default)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
+GPU_DEFAULT = Rates("GPU (default)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
 # A few-core CPU as the compute device (fp32 matmul, memcpy "transfers"), order of magnitude.
 CPU = Rates("CPU (default)", h2d=10e9, d2h=10e9, duplex=15e9, flops=100e9, adamw=0.5e9)
 

@@ -41,12 +41,12 @@ def test_preview_shows_which_regions_the_reserve_makes_resident():
 def test_preview_plans_with_a_gpu_runs_rates_and_times_the_sites():
     """--rates: the plan as a GPU run's rates make it (a row's planned_rates); with update
     sites the step is timed as the runtime runs it: all resident, no host updates left."""
-    from megatrain.plan.costs import H200
+    from megatrain.plan.costs import GPU_DEFAULT
 
     schedule, error, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB",
-                                     updates="resident", rates=H200)
-    assert error is None and schedule.rates == H200
-    slow = H200.scaled(host=0.01)  # every update on the host bounds the step
+                                     updates="resident", rates=GPU_DEFAULT)
+    assert error is None and schedule.rates == GPU_DEFAULT
+    slow = GPU_DEFAULT.scaled(host=0.01)  # every update on the host bounds the step
     schedule_slow, _, sites_slow = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB",
                                            updates="resident", rates=slow)
     assert schedule_slow.rates == slow and sites_slow.sites == sites.sites
@@ -61,11 +61,11 @@ def test_prediction_check_replans_a_recorded_row_with_its_rates(tmp_path, capsys
     (the recorded one is what the bench stored), with its live resident count applied."""
     import json
 
-    from megatrain.plan.costs import H200
+    from megatrain.plan.costs import GPU_DEFAULT
 
     import prediction_check
 
-    slow = H200.scaled(host=0.01)
+    slow = GPU_DEFAULT.scaled(host=0.01)
     schedule, _, sites = preview("tiny", None, tokens=1024, seq=256, gpu_memory="64MiB", updates="resident",
                                  rates=slow)
     assert len(sites.acquiring) >= 2

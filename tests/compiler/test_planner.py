@@ -16,7 +16,7 @@ import sympy
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from megatrain.plan.costs import H200, Rates, link_rates
+from megatrain.plan.costs import GPU_DEFAULT, Rates, link_rates
 from megatrain.plan.problem import Problem, RegionSpec, Weight, with_update_sites
 from megatrain.plan.program import PlanConfig, largest_fitting
 from megatrain.plan.search import InfeasibleBudget, PlannerOptions, plan_step
@@ -258,9 +258,9 @@ def llama_like(n=8, micro=1, weight=200_000_000, act=100_000_000, flops=4 * 10**
 
 def test_budget_buys_prefetch_depth_then_keeps_activations():
     p = llama_like()
-    lean = plan_step(p, min_budget(p), H200)
+    lean = plan_step(p, min_budget(p), GPU_DEFAULT)
     assert lean.config.slots == 1 and lean.config.offloaded  # everything offloaded, no overlap
-    roomy = plan_step(p, 100 * GB, H200)
+    roomy = plan_step(p, 100 * GB, GPU_DEFAULT)
     assert roomy.config.slots >= 2 and not roomy.config.offloaded
     assert roomy.step_time < lean.step_time
     assert roomy.gpu_idle < lean.gpu_idle
@@ -272,14 +272,14 @@ def test_infeasible_budget_names_the_minimum():
     p = llama_like()
     need = min_budget(p)
     with pytest.raises(MegatrainValueError, match=f"gpu_memory >= {need} bytes") as info:
-        plan_step(p, need - 1, H200)
+        plan_step(p, need - 1, GPU_DEFAULT)
     assert isinstance(info.value, ValueError) and info.value.min_budget == need
     # ... and says what fills the device there, so the user knows what to shrink.
     assert "working set" in str(info.value) and "boundary activations" in str(info.value)
     # One region larger than the whole budget: nothing can fit, whatever else is small.
     big = Problem.chain([10, 5 * GB, 10])
     with pytest.raises(InfeasibleBudget) as info:
-        plan_step(big, GB, H200)
+        plan_step(big, GB, GPU_DEFAULT)
     assert info.value.min_budget == min_budget(big) >= 5 * GB
 
 
@@ -302,14 +302,14 @@ def test_symbolic_sizes_peak_expression_and_longest_fitting_sequence():
     act = 2 * B * T * hidden
     p = Problem.chain([400_000_000] * 6, out_bytes=act, flops=2 * B * T * 200_000_000,
                       work_fw=6 * act, work_bw=12 * act)
-    plan = plan_step(p, 8 * GB, H200, dims={B: 1, "seq": 4096})
+    plan = plan_step(p, 8 * GB, GPU_DEFAULT, dims={B: 1, "seq": 4096})
     expr = plan.peak_expression()
     assert expr.free_symbols == {B, T}
     assert int(expr.subs({B: 1, T: 4096})) == plan.peak_bytes
     longest = largest_fitting(expr, T, 8 * GB, {B: 1})
     assert int(expr.subs({B: 1, T: longest})) <= 8 * GB < int(expr.subs({B: 1, T: longest + 1}))
     with pytest.raises(MegatrainValueError, match="batch"):
-        plan_step(p, 8 * GB, H200, dims={T: 4096})
+        plan_step(p, 8 * GB, GPU_DEFAULT, dims={T: 4096})
 
 
 def test_shared_weight_gradient_leaves_once_after_its_last_producer():
@@ -318,7 +318,7 @@ def test_shared_weight_gradient_leaves_once_after_its_last_producer():
     regions = [RegionSpec(0, (0,), (), 10, 1, 1, 10**9), RegionSpec(1, (1,), (0,), 10, 1, 1, 10**9),
                RegionSpec(2, (2,), (1,), 10, 1, 1, 10**9), RegionSpec(3, (0,), (2,), 10, 1, 1, 10**9)]
     p = Problem(tuple(regions), tuple(w), micro_batches=2)
-    plan = plan_step(p, 10**6, H200)
+    plan = plan_step(p, 10**6, GPU_DEFAULT)
     validate(plan.schedule, 10**6)
     d2h = [t for t in plan.schedule.streams["d2h"] if t.kind == "d2h" and 0 in plan.schedule.graph.nodes[t]["weights"]]
     assert [t.region for t in d2h] == [0] * 4  # owner: region 0, last in backward; 2 micro x 2 steps
@@ -336,15 +336,15 @@ def test_copies_are_charged_link_bytes_and_host_memory():
          Weight(1, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel)]
     regions = [RegionSpec(0, (0,), (), 10, 1, 1, 10**9), RegionSpec(1, (1,), (0,), 10, 1, 1, 10**9),
                RegionSpec(2, (0,) if tied else (), (1,), 10, 1, 1, 10**9)]
-    s = simulate(Problem(tuple(regions), tuple(w)), PlanConfig(2, None, 0, 1), H200, steps=1)
+    s = simulate(Problem(tuple(regions), tuple(w)), PlanConfig(2, None, 0, 1), GPU_DEFAULT, steps=1)
 
     def seconds(kind, region):
         (t,) = [t for t in s.graph if t.kind == kind and t.region == region and t.phase in ("fw", "host")]
         return s.end[t] - s.start[t]
 
-    assert seconds("h2d", 1) == pytest.approx(4 * numel / H200.h2d)  # forward: h2d alone
+    assert seconds("h2d", 1) == pytest.approx(4 * numel / GPU_DEFAULT.h2d)  # forward: h2d alone
     fetches = 4 if tied else 2
-    host_bandwidth = 28 * H200.adamw
+    host_bandwidth = 28 * GPU_DEFAULT.adamw
     owner_of_0 = 0  # last in backward among its readers
     assert seconds("host_step", 1) == pytest.approx((28 + 2 * 4 + 4) * numel / host_bandwidth)
     assert seconds("host_step", owner_of_0) == pytest.approx((28 + fetches * 4 + 4) * numel / host_bandwidth)
@@ -360,7 +360,7 @@ def test_update_sites_take_their_weights_off_the_link_and_the_host():
     regions = [RegionSpec(i, (i,), (i - 1,) if i else (), 10, 1, 1, 10**9) for i in range(3)]
     problem = Problem(tuple(regions), tuple(w))
     cfg = PlanConfig(2, None, 0, 1)
-    slow_host = H200.scaled(host=0.05)  # the host's updates bound the step
+    slow_host = GPU_DEFAULT.scaled(host=0.05)  # the host's updates bound the step
     planned = simulate(problem, cfg, slow_host, steps=2)
     sited = simulate(with_update_sites(problem, {0: "resident", 1: "device"}), cfg, slow_host, steps=2)
 
@@ -373,7 +373,7 @@ def test_update_sites_take_their_weights_off_the_link_and_the_host():
         assert seconds(sited, "h2d", 0, phase) == 0 < seconds(planned, "h2d", 0, phase)
         assert seconds(sited, "h2d", 1, phase) == pytest.approx(seconds(planned, "h2d", 1, phase))
     assert seconds(sited, "d2h", 0, "bw") == 0
-    shared = link_rates(H200, True, True).d2h  # the backward fetches while gradients leave
+    shared = link_rates(GPU_DEFAULT, True, True).d2h  # the backward fetches while gradients leave
     assert seconds(sited, "d2h", 1, "bw") == pytest.approx(2 * 24 * numel / shared)  # two steps
     assert seconds(sited, "d2h", 2, "bw") == pytest.approx(seconds(planned, "d2h", 2, "bw"))
     assert seconds(sited, "host_step", 0, "host") == seconds(sited, "host_step", 1, "host") == 0
@@ -388,7 +388,7 @@ def test_update_sites_take_their_weights_off_the_link_and_the_host():
 
 def test_validator_catches_broken_schedules():
     p = llama_like(4)
-    plan = plan_step(p, 100 * GB, H200)
+    plan = plan_step(p, 100 * GB, GPU_DEFAULT)
     s = plan.schedule
     validate(s, 100 * GB)
     assert violations(s, s.peak_bytes - 1)  # over budget
@@ -431,7 +431,7 @@ def test_many_random_chains_stay_valid_quickly():
                           out_bytes=[rng.randint(0, 10**8) for _ in range(n)],
                           flops=[rng.randint(0, 10**13) for _ in range(n)], work_bw=10**7)
         budget = int(min_budget(p) * rng.uniform(1, 3))
-        validate(plan_step(p, budget, H200, options=SMALL).schedule, budget)
+        validate(plan_step(p, budget, GPU_DEFAULT, options=SMALL).schedule, budget)
 
 
 def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
@@ -449,8 +449,8 @@ def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
     regions += [RegionSpec(5, (0,), (4,), 2 * MB, 4 * MB, 4 * MB, 10**12)]
     problem = Problem(tuple(regions), tuple(w))
     assert _Shape(problem).keepable == (4, 3, 2, 1)
-    plain = plan_step(problem, 1 << 40, H200, options=PlannerOptions())
-    kept = plan_step(problem, 1 << 40, H200, options=PlannerOptions(keep=True))
+    plain = plan_step(problem, 1 << 40, GPU_DEFAULT, options=PlannerOptions())
+    kept = plan_step(problem, 1 << 40, GPU_DEFAULT, options=PlannerOptions(keep=True))
     validate(kept.schedule, 1 << 40)
     assert kept.config.kept == {1, 2, 3, 4}
     bw_fetches = {t.region for t in kept.schedule.streams["h2d"] if t.phase == "bw"}
@@ -458,8 +458,8 @@ def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
     assert kept.step_time <= plain.step_time
     assert kept.peak_bytes > plain.peak_bytes
     # A budget between the two: fewer regions kept, the soonest needed (region 4) first.
-    mid = plan_step(problem, (plain.peak_bytes + kept.peak_bytes) // 2, H200, options=PlannerOptions(keep=True))
+    mid = plan_step(problem, (plain.peak_bytes + kept.peak_bytes) // 2, GPU_DEFAULT, options=PlannerOptions(keep=True))
     assert 0 < len(mid.config.kept) < 4 and 4 in mid.config.kept
     assert mid.peak_bytes <= (plain.peak_bytes + kept.peak_bytes) // 2
     with pytest.raises(ValueError, match="cannot keep"):
-        simulate(problem, PlanConfig(2, None, 0, 1, kept=frozenset({5})), H200)
+        simulate(problem, PlanConfig(2, None, 0, 1, kept=frozenset({5})), GPU_DEFAULT)

@@ -12,7 +12,7 @@ from torch._subclasses import FakeTensorMode
 
 import megatrain  # noqa: F401  (registers the ops)
 from megatrain.compiler import ops, passes
-from megatrain.plan.costs import H200
+from megatrain.plan.costs import GPU_DEFAULT
 from megatrain.plan.events import RegionUse, Transfer, graph_events
 from megatrain.plan.problem import Problem
 from megatrain.plan.program import PlanConfig
@@ -76,7 +76,7 @@ def test_insert_transfers_materialises_the_planned_order(budget_regions):
     fw_uses, bw_uses = _uses(fw), _uses(bw)
     problem = Problem.chain([HIDDEN * HIDDEN * 4] * n, out_bytes=4 * HIDDEN * 4, flops=10**6)
     budget = min_budget(problem) + (budget_regions - 1) * HIDDEN * HIDDEN * 4
-    plan = plan_step(problem, budget, H200)
+    plan = plan_step(problem, budget, GPU_DEFAULT)
     events = plan.events(fw_uses, bw_uses)
     planned = {"forward": events.forward, "backward": events.backward}
     for kind, gm in (("forward", fw), ("backward", bw)):
@@ -111,7 +111,7 @@ def test_activation_events_anchor_to_their_regions():
     fw_uses, bw_uses = _uses(_graph(sid, list(range(n)))), _uses(_graph(sid, list(reversed(range(n)))))
     problem = Problem.chain([HIDDEN * HIDDEN * 4] * n, out_bytes=1000, flops=10**6, micro_batches=2)
     cfg = PlanConfig(slots=2, weight_lead=None, reload_lead=1, release_lag=0, offloaded=frozenset({0, 2}))
-    ev = graph_events(simulate(problem, cfg, H200), fw_uses, bw_uses)
+    ev = graph_events(simulate(problem, cfg, GPU_DEFAULT), fw_uses, bw_uses)
     fw = {(e.kind, e.region): e for e in ev.forward_all}
     last = {u.region: u.last for u in fw_uses}
     assert fw[("offload", 0)].anchor == last[0] and fw[("offload", 0)].after
@@ -127,7 +127,7 @@ def test_activation_events_anchor_to_their_regions():
     assert [e.kind for e in ev.backward_all].count("grad_wait") == n
     assert all(e.kind in ("prefetch", "wait", "evict") for e in ev.forward + ev.backward)
     with pytest.raises(ValueError, match="order"):
-        graph_events(simulate(problem, cfg, H200), bw_uses, fw_uses)
+        graph_events(simulate(problem, cfg, GPU_DEFAULT), bw_uses, fw_uses)
 
 
 def _prefetch_k_ahead(uses: list[RegionUse], slots: int) -> list[Transfer]:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatrain.plan.costs import H200
+from megatrain.plan.costs import GPU_DEFAULT
 from megatrain.plan.problem import Problem
 from megatrain.plan.search import plan_step
 from megatrain.plan.timeline import Record, write_chrome_trace, write_measured_trace
@@ -19,7 +19,7 @@ def _tracks(trace: dict) -> dict[int, str]:
 
 def test_predicted_trace_has_one_track_per_stream(tmp_path):
     p = Problem.chain([200_000_000] * 4, out_bytes=10**8, flops=4 * 10**12, work_bw=10**8, micro_batches=2)
-    plan = plan_step(p, 10**10, H200)
+    plan = plan_step(p, 10**10, GPU_DEFAULT)
     path = write_chrome_trace(plan.schedule, tmp_path / "predicted.json")
     trace = json.loads(open(path).read())
     tracks = _tracks(trace)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import megatrain.optim as mo
-from megatrain.plan.costs import H200, Rates
+from megatrain.plan.costs import GPU_DEFAULT, Rates
 from megatrain.optim import device_update as du
 from megatrain.optim import functional
 from megatrain.optim.engine import HostWorker
@@ -518,10 +518,10 @@ def test_update_site_on_the_h200_box():
     toss-up (device at 106 GB/s of host AdamW, host at 125 GB/s); balanced over a 3B
     model's backward most regions go to the device, and the phase ends 12-15% sooner."""
     fetch = du.PhaseLoad.streaming(LAYER)
-    assert du.host_bandwidth(H200) == pytest.approx(106.4e9)
-    assert du.update_site(LAYER, H200, load=fetch) == "device"
+    assert du.host_bandwidth(GPU_DEFAULT) == pytest.approx(106.4e9)
+    assert du.update_site(LAYER, GPU_DEFAULT, load=fetch) == "device"
     assert du.update_site(LAYER, H200_FAST_HOST, load=fetch) == "host"
-    for rates, on_device, mixed in ((H200, 23, 0.765), (H200_FAST_HOST, 19, 0.670)):
+    for rates, on_device, mixed in ((GPU_DEFAULT, 23, 0.765), (H200_FAST_HOST, 19, 0.670)):
         base = du.PhaseLoad.streaming(28 * LAYER)
         sites, load = du.assign_sites([LAYER] * 28, rates, load=base)
         assert sites.count("device") == on_device
@@ -532,23 +532,23 @@ def test_update_site_on_the_h200_box():
 
 
 def test_update_site_edges():
-    assert du.update_site(0, H200) == "host"
-    assert du.update_site(1_000_000, H200) == "host"  # the fixed cost decides
-    assert du.update_site(LAYER, H200) == "device"
+    assert du.update_site(0, GPU_DEFAULT) == "host"
+    assert du.update_site(1_000_000, GPU_DEFAULT) == "host"  # the fixed cost decides
+    assert du.update_site(LAYER, GPU_DEFAULT) == "device"
     need = du.device_bytes(LAYER)
     assert need == 16 * LAYER
-    assert du.update_site(LAYER, H200, device_free_bytes=need - 1) == "host"
-    assert du.update_site(LAYER, H200, device_free_bytes=need) == "device"
+    assert du.update_site(LAYER, GPU_DEFAULT, device_free_bytes=need - 1) == "host"
+    assert du.update_site(LAYER, GPU_DEFAULT, device_free_bytes=need) == "device"
     slow_link = Rates("PCIe 4", h2d=25e9, d2h=25e9, duplex=40e9, flops=1e15, adamw=3.8e9)
     assert du.update_site(LAYER, slow_link) == "host"
     # fp32 gradients would have cost the host path 4 B/param of D2H and DMA, not 2
     assert du.update_site(LAYER, H200_FAST_HOST, grad_bytes=4) == "host"
-    assert du.link_seconds(H200, 90e9, 0) == pytest.approx(90 / 55)
-    assert du.link_seconds(H200, 45e9, 45e9) == pytest.approx(1.0)
+    assert du.link_seconds(GPU_DEFAULT, 90e9, 0) == pytest.approx(90 / 55)
+    assert du.link_seconds(GPU_DEFAULT, 45e9, 45e9) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="site"):
         du.update_load(1, "gpu")
     with pytest.raises(ValueError, match="region_params"):
-        du.update_site(-1, H200)
+        du.update_site(-1, GPU_DEFAULT)
 
 
 rate = st.floats(1e9, 1e12)

@@ -33,15 +33,14 @@ from torch.optim import Optimizer
 from megatrain.memory.host_store import advise_huge_pages, is_homed
 from megatrain.optim import checks, device_update, functional, registry
 from megatrain.optim.deferral import Deferred, Promises
-from megatrain.optim.device_side import RESIDENT_NEEDS_BUFFERS, DeviceSide
+from megatrain.optim.device_side import DeviceSide
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.host_updates import HostUpdates
 from megatrain.optim.resident import ResidentState
 from megatrain.optim.shadows import Shadows
 
-# Importers of this module find these here: the runtime (RESIDENT_NEEDS_BUFFERS, the
-# answer of update_resident) and type hints (Deferred, what defer returns).
-__all__ = ["RESIDENT_NEEDS_BUFFERS", "AdamW", "Deferred"]
+# Deferred (what defer returns) is found here by type hints.
+__all__ = ["AdamW", "Deferred"]
 
 # The group keys torch.optim.AdamW keeps, with the values that describe this optimizer's
 # math, so a state_dict moves between torch.optim.AdamW and megatrain.AdamW both ways.

@@ -31,10 +31,12 @@ from torch import Tensor
 
 from megatrain.optim import device_update
 from megatrain.optim.engine import HostWorker
+from megatrain.optim.protocol import Declined
 from megatrain.optim.resident import ResidentState
 
 # update_resident's answer when the gradients must wait on the device and have no buffer yet.
-RESIDENT_NEEDS_BUFFERS = "resident gradients must wait on the device: lend them buffers"
+NEEDS_BUFFERS = Declined("resident gradients must wait on the device: lend them buffers",
+                         needs_buffers=True)
 
 
 class DeviceSide:
@@ -192,7 +194,7 @@ class DeviceSide:
         return self._resident.ready_event(p)
 
     def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor],
-                        scratch: Tensor | None = None) -> str | None:
+                        scratch: Tensor | None = None) -> Declined | None:
         """Hand in gradients of resident ``params`` (on their device, the params' shapes),
         like :meth:`submit`: applied on the device now, in stream order, with the group's
         hyperparameters read now; or, where the update must wait (inside ``accumulate()``,
@@ -201,19 +203,19 @@ class DeviceSide:
         fp32 and contiguous (the runtime's bf16) is upcast piece by piece into ``scratch``
         (fp32, on the device, reused in stream order; required for such a gradient), so
         the scratch need not be as large as the parameter (optim/resident.py).
-        Returns why not (None: taken): ``RESIDENT_NEEDS_BUFFERS`` (lend buffers, call
-        again) or a reason to take the host path instead (the caller drops the residency)."""
+        Returns None (taken) or why not (protocol.Declined): lend buffers and call again
+        (``needs_buffers``), or take the host path instead (the caller drops the residency)."""
         params, grads = list(params), list(grads)
         if not all(p in self._resident for p in params):
-            return "a parameter is not resident"
+            return Declined("a parameter is not resident")
         reason = self._resident_blocker(params, final=self._accumulating == 0)
         if reason is not None:
-            return reason
+            return Declined(reason)
         final = self._accumulating == 0
         immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
         if not immediate or self._resident.has_grads(params):
             if self._resident.needs_buffers(params):
-                return RESIDENT_NEEDS_BUFFERS
+                return NEEDS_BUFFERS
             grads = [self._resident.accumulate(p, g, scratch) for p, g in zip(params, grads)]
         if immediate:
             self._apply_resident(params, grads, scratch)

@@ -10,10 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Declined:
+    """Why the optimizer did not take a resident update: the gradients must wait on the
+    device and no buffer is lent yet (``needs_buffers``: lend them with
+    give_resident_buffers and hand the gradients in again), or a reason to take the host
+    path instead."""
+
+    reason: str
+    needs_buffers: bool = False
 
 
 @runtime_checkable
@@ -54,8 +66,8 @@ class GradientConsumer(Protocol):
     def resident_ready(self, p: Tensor) -> Any: ...
 
     def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor],
-                        scratch: Tensor | None = None) -> str | None:
-        """Update resident parameters on the device (a reason if it could not)."""
+                        scratch: Tensor | None = None) -> Declined | None:
+        """Update resident parameters on the device (None), or say why not."""
 
     def give_resident_buffers(self, params: Sequence[Tensor], buffers: Sequence[Tensor]) -> None: ...
 

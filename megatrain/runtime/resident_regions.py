@@ -39,7 +39,6 @@ from __future__ import annotations
 import torch
 
 from ..optim import resident as resident_mod
-from ..optim.adamw import RESIDENT_NEEDS_BUFFERS
 from ..optim.registry import owner_of, sole_owner
 from . import handoff_graphs
 from ..memory.layout import FlatLayout
@@ -128,11 +127,11 @@ class ResidentRegions:
             return False  # not adopted yet, or a host path took it home: the host path
         in_place = grad.dtype == torch.float32 and grad.is_contiguous()  # else upcast
         scratch = None if in_place else self._upcast_scratch()
-        reason = opt.update_resident([param], [grad], scratch)
-        if reason == RESIDENT_NEEDS_BUFFERS and self._lend_buffers(region, opt):
-            reason = opt.update_resident([param], [grad], scratch)
-        if reason is not None:
-            self.demote(region, reason)
+        declined = opt.update_resident([param], [grad], scratch)
+        if declined is not None and declined.needs_buffers and self._lend_buffers(region, opt):
+            declined = opt.update_resident([param], [grad], scratch)
+        if declined is not None:
+            self.demote(region, declined.reason)
             return False
         self.updates += 1
         return True

@@ -12,8 +12,9 @@ parallel attention+MLP block with one shared LayerNorm and an iota-built causal 
 partitioner recomputes inside a layer's backward (phi), relative-position tensors made
 once and read by every layer (deberta-v2), a state-space model (mamba), an MoE whose
 data-dependent expert loop breaks the graph so dynamo calls one graph for several modules
-(switch_transformers), an encoder-decoder with cross-attention (bart) and a contrastive
-two-tower model (clip).
+(switch_transformers), an encoder-decoder with cross-attention (bart), a contrastive
+two-tower model (clip), soft-capped local/global attention (gemma2), a routed MoE with
+top-k renormalisation (qwen3-moe), and a tied vocabulary 100x the width (qwen2).
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ def _bart():
         attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64, use_cache=False))
 
 
+def _gemma2():  # soft-capped attention and logits, sliding-window layers beside global ones
+    cfg = transformers.Gemma2Config(**{**COMMON, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4,
+                                       "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                                       "query_pre_attn_scalar": 16})
+    # transformers has no SDPA path for soft-capped attention
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+
+
+def _qwen3_moe():
+    return causal(transformers.Qwen3MoeConfig, num_key_value_heads=2, head_dim=16, num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True)
+
+
+def _qwen2_tied_vocab():  # the vocabulary 100x the width, the embedding tied to the head
+    return causal(transformers.Qwen2Config, num_key_value_heads=2, vocab_size=100 * H, tie_word_embeddings=True)
+
+
 def _clip():  # eos 2: pooled at the largest id (a real position), not at token 0 alone
     return transformers.CLIPModel(transformers.CLIPConfig(
         text_config=dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=LAYERS,
@@ -132,7 +150,16 @@ ZOO = {
     "switch": (_switch, seq2seq_tokens, None),
     "bart": (_bart, seq2seq_tokens, ["model.encoder.layers", "model.decoder.layers"]),
     "clip": (_clip, clip_inputs, ["vision_model.encoder.layers", "text_model.encoder.layers"]),
+    "gemma2": (_gemma2, tokens, ["model.layers"]),
+    "qwen3_moe": (_qwen3_moe, tokens, ["model.layers"]),
+    "qwen2_tied_vocab": (_qwen2_tied_vocab, tokens, ["model.layers"]),
 }
+
+# The budget as a fraction of the parameter bytes, where 0.49 cannot hold the step. With a
+# vocabulary 100x the width, the loss's backward holds the [tokens, vocab] logits, their fp32
+# upcast and gradients beside the tied embedding: 1.64x the weights at the least (on the CPU
+# no fused loss replaces Hugging Face's; the GPU's Triton kernel would).
+BUDGET = {"qwen2_tied_vocab": 1.7}
 
 
 # Inductor lowering also runs Inductor's joint-graph passes (pattern rewrites of attention,
@@ -146,7 +173,7 @@ INDUCTOR = ("gpt2", "t5", "mixtral")
                          + [(n, "inductor") for n in INDUCTOR])
 @pytest.mark.filterwarnings("ignore:megatrain. the model has a graph break")
 def test_zoo_trains_like_eager_under_half_the_parameter_bytes(name, lowering):
-    _trains_like_eager(*ZOO[name], lowering, breaks=name in BREAKS)
+    _trains_like_eager(*ZOO[name], lowering, breaks=name in BREAKS, budget_fraction=BUDGET.get(name, 0.49))
 
 
 def test_gradient_checkpointing_on_streams_per_layer():
@@ -164,12 +191,12 @@ def test_gradient_checkpointing_on_streams_per_layer():
     assert len(plan.graphs) == 1
 
 
-def _trains_like_eager(build, inputs, stacks, lowering, breaks=False):
+def _trains_like_eager(build, inputs, stacks, lowering, breaks=False, budget_fraction=0.49):
     torch.manual_seed(0)
     model = build()
     model.train()
     ref = copy.deepcopy(model)
-    budget = int(0.49 * param_bytes(model))
+    budget = int(budget_fraction * param_bytes(model))
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": lowering,
                                     "gpu_memory": budget})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)

@@ -13,7 +13,7 @@ import torch
 import megatrain
 
 from ..compiler.helpers import compile_streamed, param_bytes
-from ..compiler.test_hf_zoo import ZOO
+from ..compiler.test_hf_zoo import BUDGET, ZOO
 from .results import record_result
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ def test_zoo_bf16_on_cuda_tracks_eager_autocast(name):
     model = build()
     model.train()
     ref = copy.deepcopy(model).cuda()
-    budget = int(0.49 * param_bytes(model))
+    budget = int(BUDGET.get(name, 0.49) * param_bytes(model))
     step = compile_streamed(model, {"device": "cuda", "precision": "bf16", "gpu_memory": budget})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = megatrain.AdamW(model.parameters(), lr=1e-3)

@@ -10,6 +10,8 @@ like any torch op (their custom ops carry fakes and autograd formulas).
     out = silu(g) * u                                ->  swiglu(g, u)
     cross_entropy(linear(h, W).view(-1, V).float(), t, ignore_index=i, reduction=r)
                                                      ->  linear_cross_entropy(h, W, t, i, r)
+        (the linear stays where its logits are also returned: Hugging Face's ForCausalLMLoss
+        upcasts, shifts the labels and takes "sum" over num_items_in_batch, all matched)
 
 Matching is by hand, not torch.fx.subgraph_rewriter: dynamo spells one op several ways
 (operator.mul / torch.mul / Tensor.mul, x.float() / x.to(torch.float32), chunk / slicing),
@@ -502,8 +504,7 @@ def _match_linear_ce(ce: fx.Node):
             return None
         chain.append(n)
         user, n = n, n.args[0]
-    if _kind(n) != "linear" or not _sole_user(n, user) or len(n.args) < 2 \
-            or _arg(n, 2, "bias") is not None:
+    if _kind(n) != "linear" or len(n.args) < 2 or _arg(n, 2, "bias") is not None:
         return None
     hidden, weight, target = n.args[0], n.args[1], a["target"]
     vh, vw, vi, vt, vce = (_val(v) for v in (hidden, weight, a["input"], target, ce))
@@ -511,7 +512,10 @@ def _match_linear_ce(ce: fx.Node):
             or vh.dtype != vw.dtype or vi.dim() != 2 or not _eq(vi.shape[1], vw.shape[0]) \
             or vt.dim() != 1 or vt.dtype.is_floating_point or vce.dtype != torch.float32:
         return None
-    return (hidden, weight, target, a["ignore_index"], a["reduction"]), [n, *chain]
+    # Logits the model also returns (Hugging Face's causal LMs do) are still computed for
+    # that output, once, and not kept for the backward; the loss recomputes them in chunks.
+    return (hidden, weight, target, a["ignore_index"], a["reduction"]), \
+        [n, *chain] if _sole_user(n, user) else chain
 
 
 def _replace_linear_ce(graph: fx.Graph) -> int:

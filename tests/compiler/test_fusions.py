@@ -146,6 +146,40 @@ def test_hf_llama_replaced_and_exact():
     assert_same(gm, reference, inputs)
 
 
+class _HFLoss(nn.Module):
+    """A transformers causal LM returning (loss, logits), its loss its own ForCausalLMLoss:
+    the fp32 upcast, the shifted labels and, with num_items_in_batch, a summed loss over it."""
+
+    def __init__(self, model, num_items=False):
+        super().__init__()
+        self.model, self.num_items = model, num_items
+
+    def forward(self, ids, labels):
+        extra = {"num_items_in_batch": (labels != -100).sum()} if self.num_items else {}
+        out = self.model(input_ids=ids, labels=labels, **extra)
+        return out.loss, out.logits
+
+
+@pytest.mark.parametrize("arch,num_items", [("llama", False), ("qwen2_tied", True)])
+def test_transformers_causal_lm_loss_is_fused_and_exact(arch, num_items):
+    """Hugging Face's ForCausalLMLoss is fused although the model also returns its logits:
+    the head's matmul stays for that output, the loss and every gradient come from the
+    fused kernel, exact against the unfused graph (fp32)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2)
+    cfg = (transformers.LlamaConfig(**common) if arch == "llama"
+           else transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = _HFLoss(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), num_items)
+    gm, reference, inputs, counts = rewrite(model, *batch(), enabled=["linear_cross_entropy"])
+    assert counts["linear_cross_entropy"] == 1
+    left = targets(gm)
+    assert F.cross_entropy not in left and linear_cross_entropy in left
+    assert left.count(torch._C._nn.linear) == targets(reference).count(torch._C._nn.linear)
+    assert_same(gm, reference, inputs)
+
+
 def test_gpt2_only_the_tied_head_loss_is_replaced():
     model = GPT2(GPT2Config(vocab_size=VOCAB, hidden=48, layers=LAYERS, heads=4, max_seq=32))
     gm, reference, inputs, counts = rewrite(model, *batch())
@@ -238,15 +272,16 @@ class Rotate(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, leak_logits=False, **ce):
+    def __init__(self, leak_logits=False, leak_flat=False, **ce):
         super().__init__()
         self.lm_head = nn.Linear(40, VOCAB, bias=False)
-        self.leak_logits, self.ce = leak_logits, ce
+        self.leak_logits, self.leak_flat, self.ce = leak_logits, leak_flat, ce
 
     def forward(self, h, labels):
         logits = self.lm_head(h)
-        loss = F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1), **self.ce)
-        return (loss, logits) if self.leak_logits else (loss,)
+        flat = logits.view(-1, VOCAB)
+        loss = F.cross_entropy(flat, labels.view(-1), **self.ce)
+        return (loss,) + ((logits,) if self.leak_logits else ()) + ((flat,) if self.leak_flat else ())
 
 
 def _inputs(module):
@@ -276,7 +311,9 @@ CASES = {
     "rope q alone": (Rotate(k_too=False), {}),
     "rope k made after q's rotation": (Rotate(k_late=True), {"rope": 1}),
     "linear ce sum": (Head(reduction="sum", ignore_index=3), {"linear_cross_entropy": 1}),
-    "linear ce logits also returned": (Head(leak_logits=True), {}),
+    # the head's matmul stays for the returned logits; the loss no longer keeps them
+    "linear ce logits also returned": (Head(leak_logits=True), {"linear_cross_entropy": 1}),
+    "linear ce flattened logits also returned": (Head(leak_flat=True), {}),
     "linear ce label smoothing": (Head(label_smoothing=0.1), {}),
 }
 

@@ -166,8 +166,8 @@ def test_transformers_causal_lm_loss_is_fused_and_exact(arch, num_items):
     the head's matmul stays for that output, the loss and every gradient come from the
     fused kernel, exact against the unfused graph (fp32)."""
     transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
-    common = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=LAYERS,
-                  num_attention_heads=4, num_key_value_heads=2)
+    common = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": LAYERS,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
     cfg = (transformers.LlamaConfig(**common) if arch == "llama"
            else transformers.Qwen2Config(**common, tie_word_embeddings=True))
     torch.manual_seed(0)

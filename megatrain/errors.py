@@ -17,21 +17,29 @@ _Passthrough = getattr(_dynamo_exc, "ShortenTraceback", Exception)
 class _UserError(_Passthrough):  # type: ignore[misc, valid-type]
     def __init__(self, message: str):
         Exception.__init__(self, message)
+        self.message = message
         self.first_useful_frame = None
+
+    def __str__(self) -> str:
+        # The message is the whole story: dynamo appends a "please report this bug to
+        # PyTorch" footer to the args of exceptions leaving a compile, which is not ours to
+        # show (the message names the value and the fix). noting() rewrites .message.
+        message = self.__dict__.get("message")
+        return message if message is not None else Exception.__str__(self)
 
     def remove_dynamo_frames(self):  # keep the whole traceback: it is short already
         return self
 
 
-class MegatrainValueError(ValueError, _UserError):
+class MegatrainValueError(_UserError, ValueError):
     """A value the user passed cannot work; the message names it and the fix."""
 
 
-class MegatrainTypeError(TypeError, _UserError):
+class MegatrainTypeError(_UserError, TypeError):
     """A value of the wrong kind; the message names it and the fix."""
 
 
-class UnsupportedError(NotImplementedError, _UserError):
+class UnsupportedError(_UserError, NotImplementedError):
     """A construct megatrain cannot stream; the message names the op and the module."""
 
 
@@ -44,7 +52,8 @@ def noting(note: str):
         yield
     except MegatrainValueError as e:
         if note:
-            e.args = (f"{e.args[0]}. Note: {note}", *e.args[1:])
+            e.message = f"{str(e)}. Note: {note}"
+            e.args = (e.message, *e.args[1:])
         raise
 
 

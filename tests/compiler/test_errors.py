@@ -29,6 +29,23 @@ def test_budget_too_small_for_one_region_names_the_bytes():
         assert torch.equal(a, p.detach())
 
 
+@pytest.mark.parametrize("where", ["planner", "before planning"])
+def test_a_refusal_is_megatrains_whole_story(where):
+    """A refusal reaches the caller as megatrain's exception, its message the value and the
+    fix, without dynamo's wrapping or its "report this bug to PyTorch" footer."""
+    from megatrain.errors import MegatrainValueError
+
+    torch._dynamo.reset()
+    budget = 1000 if where == "before planning" else 40_000
+    step = compile_streamed(tiny(), {"device": "cpu", "precision": "fp32", "gpu_memory": budget})
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.raises(MegatrainValueError) as info:
+        step(ids, labels=ids)
+    text = str(info.value)
+    assert text.startswith(f"gpu_memory={budget} bytes") and "PyTorch" not in text \
+        and "TORCHDYNAMO" not in text, text
+
+
 def test_budget_too_small_for_activations_names_the_minimum():
     model = tiny()
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": 50_000,

@@ -52,7 +52,7 @@ def noting(note: str):
         yield
     except MegatrainValueError as e:
         if note:
-            e.message = f"{str(e)}. Note: {note}"
+            e.message = f"{e!s}. Note: {note}"
             e.args = (e.message, *e.args[1:])
         raise
 

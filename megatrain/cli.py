@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--out", help="run folder: metrics.jsonl, metrics.png, checkpoints/ "
                                  "[runs/<model>]")
     g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0 = only at the "
-                                                  "end [500]")
+                                                  "end [a quarter of --steps, at most 500]; "
+                                                  "Ctrl-C or SIGTERM saves at the next step")
     g.add_argument("--keep", type=int, help="complete checkpoints to keep [2]")
     g.add_argument("--resume", action="store_true", help="continue from the latest complete "
                                                          "checkpoint in --out")
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     command = args.pop("command")
     from megatrain.train import RefusedError
+    from megatrain.train.interrupts import TrainingInterrupted
 
     try:
         if args.pop("updates", None) is not None:
@@ -103,9 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         if not _quiet_rank():
             print(f"megatrain {command}: failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"megatrain {command}: interrupted; --resume continues from the last checkpoint",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # before the training loop (which turns signals into the below)
+        print(f"megatrain {command}: interrupted before training started; earlier checkpoints, "
+              f"if any, are untouched", file=sys.stderr)
+        return 130
+    except TrainingInterrupted as e:
+        print(f"megatrain {command}: interrupted: {e}", file=sys.stderr)
         return 130
 
 

@@ -25,7 +25,7 @@ import torch
 from megatrain.models import PRESETS, Llama
 from megatrain.memory import host_store
 
-from . import RefusedError, checkpoint, data, hf, metrics, parallel, plan, plot, tokenizer
+from . import RefusedError, checkpoint, data, hf, interrupts, metrics, parallel, plan, plot, tokenizer
 
 
 @dataclass
@@ -49,7 +49,7 @@ class TrainConfig:
     precision: str | None = None        # None: bf16 on cuda, fp32 on cpu
     compile: str = "megatrain"          # megatrain | eager
     out: str | None = None              # None: runs/<model name>
-    save_every: int = 500               # 0: only at the end
+    save_every: int | None = None       # None: a quarter of the run, at most 500; 0: only at the end
     keep: int = 2                       # complete checkpoints kept
     seed: int = 0
     resume: bool = False
@@ -235,6 +235,8 @@ def _validate(cfg: TrainConfig) -> None:
           f"--batch-tokens {cfg.batch_tokens}: must be a multiple of --seq x --grad-accum = "
           f"{cfg.seq} x {cfg.grad_accum} = {micro} (each micro-batch holds whole sequences); "
           f"e.g. --batch-tokens {max(1, round(cfg.batch_tokens / micro)) * micro}")
+    if cfg.save_every is None:  # never longer than the run: a kill -9 loses at most a quarter
+        cfg.save_every = min(500, max(1, cfg.steps // 4))
     _need(cfg.save_every >= 0, f"--save-every {cfg.save_every}: must be >= 0 (0: only at the end)")
     _need(cfg.stop_after is None or cfg.stop_after >= 1,
           f"--stop-after {cfg.stop_after}: must be >= 1")
@@ -445,7 +447,9 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
          f"({len(tokens):,} tokens); out {out}")
     bar = _progress(cfg, start)
     t_run, times, losses, last_ckpt = time.perf_counter(), [], [], None
-    try:  # Ctrl-C or a crash leaves the last complete checkpoint; --resume continues there
+    stop = interrupts.StopOnSignal(enabled=not dinfo.distributed)
+    try:  # a crash leaves the last complete checkpoint; a signal saves one at the next boundary
+        stop.__enter__()
         for step in range(start + 1, end + 1):
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
@@ -494,9 +498,21 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                     mem += f" dev {plan.fmt_bytes(row['device_peak_bytes'])}"
                 bar.set_postfix_str(f"loss {loss_val:.3f} | {row['tokens_per_s'] / 1e3:,.1f}k tok/s "
                                     f"| {row['tflops']:.3g} TFLOP/s | {mem}")
+            if stop.requested and step != end:
+                last_ckpt = save(step)
+                raise interrupts.TrainingInterrupted(
+                    f"{stop.requested}: stopped after step {step} and saved it ({last_ckpt}); "
+                    f"--resume continues from step {step + 1}")
             if cfg.save_every and step % cfg.save_every == 0 and step != end:
                 last_ckpt = save(step)
+    except KeyboardInterrupt:  # a second signal: stop now, keep the last complete checkpoint
+        kept = checkpoint.latest_checkpoint(out)
+        raise interrupts.TrainingInterrupted(
+            "stopped at once on a second signal; " + (
+                f"--resume continues from step {checkpoint.read_state(kept)['step'] + 1} ({kept})"
+                if kept is not None else "no checkpoint was complete: nothing to resume")) from None
     finally:
+        stop.__exit__()
         writer.close()
         if bar is not None:
             bar.close()

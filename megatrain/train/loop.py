@@ -340,8 +340,10 @@ def _shutdown(dinfo) -> None:
 
 def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_bytes) -> dict:
     out = Path(cfg.out)
+    # A run is what left a checkpoint or a step's row: a first run refused or stopped before
+    # its first step (an empty metrics.jsonl) does not block its corrected rerun.
     if not cfg.resume and not cfg.overwrite and (
-            checkpoint.list_checkpoints(out) or (out / metrics.FILENAME).is_file()):
+            checkpoint.list_checkpoints(out) or metrics.read_metrics(out)):
         raise RefusedError(f"--out {out}: already holds a run; pass --resume to continue it, "
                            f"--overwrite to start over there, or another --out")
     lcfg, hf_base, init_files = _model_spec(cfg, ckpt)

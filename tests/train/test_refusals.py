@@ -108,4 +108,7 @@ def test_gpu_budget_the_backend_refuses_exits_2_before_training(tmp_path, capsys
                  "--out", str(out)) == 2
     err = capsys.readouterr().err
     assert "cannot hold even one region" in err and "needs" in err and "Traceback" not in err
+    assert "PyTorch" not in err and "TORCHDYNAMO" not in err  # the message is megatrain's whole story
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    # nothing left behind blocks the corrected rerun in the same folder
+    assert train("--steps", "2", "--out", str(out)) == 0

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .registry import owner_of
+from .registry import by_owner
 
 _hooked: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionary()
 
@@ -71,12 +71,6 @@ def keep_state_dict_current(params: Iterable[torch.Tensor]) -> int:
 def _make_current(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     """state_dict pre-hook: the owners' pending updates of this module's own parameters
     done and their resident values copied home."""
-    params = [p for p in module._parameters.values() if p is not None]
-    by_owner: dict[int, tuple] = {}
-    for p in params:
-        opt = owner_of(p)
-        if opt is not None:
-            by_owner.setdefault(id(opt), (opt, []))[1].append(p)
-    for opt, ps in by_owner.values():
+    for opt, ps in by_owner(p for p in module._parameters.values() if p is not None):
         opt.wait_params(ps)
         opt.flush_resident(ps)

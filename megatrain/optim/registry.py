@@ -37,3 +37,14 @@ def sole_owner(params) -> GradientConsumer | None:
     none."""
     owners = {id(o): o for o in map(owner_of, params)}
     return next(iter(owners.values())) if len(owners) == 1 else None
+
+
+def by_owner(params) -> list[tuple[GradientConsumer, list]]:
+    """``params`` grouped by the optimizer that owns them, in first-seen order; parameters
+    no optimizer owns are left out."""
+    groups: dict[int, tuple] = {}
+    for p in params:
+        opt = owner_of(p)
+        if opt is not None:
+            groups.setdefault(id(opt), (opt, []))[1].append(p)
+    return list(groups.values())

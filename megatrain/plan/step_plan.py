@@ -102,9 +102,6 @@ class StepPlan:
             last[region] = i
         return last
 
-    def host_needs_by_holder(self) -> dict[str, int]:
-        return dict(self.host_needs)
-
     def describe(self) -> str:
         """A few lines for a person: the decisions, region by region."""
         lines = [f"prefetch {self.prefetch}, weights from {self.weights_from}, "

@@ -40,7 +40,7 @@ from ..memory.host_store import (
 )
 from ..memory.layout import FlatLayout
 from ..memory.pool import DevicePool
-from ..optim.registry import owner_of
+from ..optim.registry import by_owner
 from ..plan.step_plan import StepPlan
 from . import graph_order, handoff_graphs
 from .activation_offload import ActivationStore
@@ -490,12 +490,7 @@ class Streamer:
 
     def wait_updates(self, host_params: list[torch.Tensor]) -> None:
         """A region is never fetched before its pending update (from the last step) is done."""
-        by_owner: dict[int, tuple] = {}
-        for p in host_params:
-            opt = owner_of(p)
-            if opt is not None:
-                by_owner.setdefault(id(opt), (opt, []))[1].append(p)
-        for opt, ps in by_owner.values():
+        for opt, ps in by_owner(host_params):
             opt.wait_params(ps)
         if self.device_updates is not None:
             self.device_updates.retire()

@@ -24,7 +24,7 @@ import torch
 
 from ..memory.host_store import host_views, is_page_locked
 from ..memory.layout import FlatLayout, contiguous_spans
-from ..optim.registry import owner_of, sole_owner
+from ..optim.registry import by_owner, sole_owner
 from .stream_context import StreamContext
 
 
@@ -78,12 +78,7 @@ class Inflight:
 def host_copies_current(params: list) -> None:
     """Before a fetch from host memory: parameters another graph keeps resident (AdamW
     state on the device, updates="resident") have their newest values copied home."""
-    owners: dict[int, tuple] = {}
-    for p in params:
-        opt = owner_of(p)
-        if opt is not None:
-            owners.setdefault(id(opt), (opt, []))[1].append(p)
-    for opt, ps in owners.values():
+    for opt, ps in by_owner(params):
         opt.flush_resident(ps)
 
 

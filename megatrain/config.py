@@ -21,6 +21,13 @@ import sys
 # whose AdamW state lives on the device are skipped: their host copies may lag by design.
 check_fetched_weights: bool = False
 
+# Measure this machine's rates (link, matmul, device memory, host AdamW) at the first
+# compile when no cache holds them: seconds, once per machine, cached under
+# $MEGATRAIN_CACHE (runtime/probe.py). False plans with the cache or, without one, with
+# plausible defaults (plan/costs.py): the tests' setting, so their plans do not depend on
+# the machine that runs them.
+probe_rates: bool = True
+
 
 # -- decisions (the planner's, or today's fixed choice where it has none yet) -------------
 # How each graph is lowered: "inductor" (Triton on GPU, C++ on CPU) or "eager" (the
@@ -39,8 +46,9 @@ kernels = None
 # region moves no bytes at all) and "host" on the CPU device (where "device" memory is
 # host memory: keeping a second copy there saves nothing).
 updates = None
-# The order a lagging host optimizer gets the regions: None (arrival), "host" (the next
-# forward's fetch order, the rest deferred into it) or "device".
+# The order a lagging host optimizer gets the regions: "arrival", "host" (the next
+# forward's fetch order, the rest deferred into it) or "device". None: the planner's
+# choice, "host" on a GPU where some update runs on the host, else arrival.
 backlog = None
 # Boundary activations may wait in host memory between the passes where the plan needs it.
 offload: bool = True
@@ -82,4 +90,4 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    return ["check_fetched_weights", *DECISIONS]
+    return ["check_fetched_weights", "probe_rates", *DECISIONS]

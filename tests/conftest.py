@@ -1,7 +1,16 @@
 import os
+import tempfile
 
 import pytest
 import torch
+
+import megatrain
+
+# Plans in tests use the default rates, never a probe of the machine that runs them
+# (megatrain.config.probe_rates) nor a cache a user's runs left: the cache folder is empty
+# and private to the test session (test_probe.py measures into its own on purpose).
+megatrain.config.probe_rates = False
+os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
 
 # Triton kernels run on the CPU through the interpreter in the default (CPU) run.
 if not torch.cuda.is_available():

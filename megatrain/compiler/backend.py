@@ -24,7 +24,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import decide
+from . import decide, rates
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -160,6 +160,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     opts = parse_options({**(options or {}), **kwargs})
     _warn_graph_breaks(gm)
     check_inputs(gm, example_inputs)
+    rates.measure_once(opts.device)
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params,
                                      grad_slabs=opts.grad_slabs)

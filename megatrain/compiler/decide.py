@@ -49,7 +49,8 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
     return StepPlan(
         regions=tuple(decisions), prefetch=chosen.config.slots - 1,
         weights_from="shadows" if opts.weight_shadow else "masters", keep_weights=opts.keep_weights,
-        gradients=_gradient_path(opts, needs), handoffs=tuple(handoffs), update_reserve=reserve,
+        gradients=_gradient_path(opts, needs, host_updates=any(
+            sites.get(g.region, "host") == "host" for g in regions)), handoffs=tuple(handoffs), update_reserve=reserve,
         snapshot_window=window, host_needs=tuple(needs.items()), host_memory=opts.host_memory,
         predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time)
 
@@ -71,10 +72,22 @@ def _update_sites(plan, opts: Options, streamer, regions, params: Sequence[torch
     return sites, reserve, window
 
 
-def _gradient_path(opts: Options, needs) -> GradientPath:
+def _gradient_path(opts: Options, needs, host_updates: bool) -> GradientPath:
+    """How gradients reach the host. The planner's choice on a GPU, where some region's
+    update runs on the host, is slabs with the host backlog: the host updates regions in
+    the order the next forward fetches them (earliest deadline first), and what it has
+    not reached at the backward's end is updated beside that forward, each fetch waiting
+    for its own region. It moves the same bytes and computes the same bits as arrival
+    order; it only lets the forward start before the host is done, so it never costs a
+    step and saves the head's forward where the host bounds the step. An optimizer that
+    cannot defer (clipping, accumulation) declines it and the backward's end waits as in
+    arrival order."""
     slab_bytes = host_budget.slab_room(needs, opts.host_memory)
-    if opts.backlog is not None:
-        return GradientPath("backlog", backlog=opts.backlog, max_slabs=opts.grad_slabs,
+    backlog = opts.backlog
+    if backlog is None and opts.grad_chunk is None and host_updates and opts.device.type == "cuda":
+        backlog = "host"
+    if backlog not in (None, "arrival"):
+        return GradientPath("backlog", backlog=backlog, max_slabs=opts.grad_slabs,
                             host_slab_bytes=slab_bytes)
     if opts.grad_chunk is not None:
         return GradientPath("ring", chunk_bytes=opts.grad_chunk, max_slabs=opts.grad_slabs,

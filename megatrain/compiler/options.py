@@ -80,7 +80,7 @@ class Options:
 _PRECISIONS = ("bf16", "fp32")
 _MIN_GRAD_CHUNK = 4096  # bytes: room for an aligned piece (grad_ring.py), tests use tiny chunks
 _LOWERINGS = ("inductor", "eager")
-_BACKLOGS = ("host", "device")
+_BACKLOGS = ("host", "device", "arrival")
 
 
 USER_OPTIONS = ("device", "gpu_memory", "host_memory", "precision")
@@ -158,7 +158,8 @@ def parse_options(options: dict | None) -> Options:
             f"backlog={backlog!r}: give 'host' (gradients the host optimizer has not reached "
             f"wait in host slabs, updated earliest deadline first, the rest deferred into the "
             f"next forward), 'device' (the same, waiting on the device while no slab is free), "
-            f"or None (arrival order; backward's end waits for every update)")
+            f"'arrival' (arrival order; backward's end waits for every update), or None for "
+            f"megatrain's choice")
     offload = _flag(options, "offload", True, "boundary activations may wait in host memory "
                     "between the passes when the plan needs it")
     grad_chunk = options.get("grad_chunk")
@@ -168,7 +169,7 @@ def parse_options(options: dict | None) -> Options:
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} is {grad_chunk} bytes: give at least "
                 f"{_MIN_GRAD_CHUNK} (a few MiB or more keeps the hand-offs few), or None")
-        if backlog is not None:
+        if backlog not in (None, "arrival"):
             raise MegatrainValueError(
                 f"grad_chunk={options['grad_chunk']!r} with backlog={backlog!r}: the backlog "
                 f"orders and sends whole regions through region slabs; drop one of the two")

@@ -20,6 +20,8 @@
                  less than its largest transient; on the CPU, Inductor's C++ kernels stay
                  within the walk: test_memory_contract)
     flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
+    traffic      device memory bytes of the memory-bound kernels (op_costs.py); backward
+                 minus forward
     inputs       the activation DAG: unit A reads an output of unit B in the forward
 
 Sizes are sympy expressions in the graph's symbolic dims (dynamic shapes), `dims` their
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import flop_registry
 
 from ..memory.layout import ALIGN_ELEMENTS
 from ..plan.events import RegionUse
@@ -43,10 +44,13 @@ from ..plan.problem import Problem, RegionSpec, Weight
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
 from . import ops
 from .merges import Merge
+from .op_costs import FUSED_LOSS as _FUSED_LOSS
+from .op_costs import flops as _flops
+from .op_costs import is_view as _is_view
+from .op_costs import traffic as _traffic
 from .partition import region_of
 
 
-_FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
 _CUDA_MIN_BLOCK = 512
 
 
@@ -87,9 +91,9 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
                        + [n for n in saved if n not in f.owner])
     work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused)
-    flops_fw = f.flops(sizes)
+    flops_fw, traffic_fw = f.flops(sizes), f.traffic(sizes)
     weights, fetched = _weights(graphs, params, dtype)
-    work_bw, flops_bw, bw_order, bw_fetched = {}, {}, None, {}
+    work_bw, flops_bw, traffic_bw, bw_order, bw_fetched = {}, {}, {}, None, {}
     if bw is not None:
         b = graphs[1]
         bw_order = sorted(b.hull, key=lambda u: b.hull[u][0])
@@ -110,6 +114,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
                 inputs[u].discard(i)
                 work_bw[u] = work_bw.get(u, 0) + out_bytes[i]
         flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes).items()}
+        traffic_bw = {u: sympy.Max(v - traffic_fw.get(u, 0), 0) for u, v in b.traffic(sizes).items()}
         bw_fetched = fetched[1]
     regions = []
     for u in fw_order:
@@ -118,7 +123,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         regions.append(RegionSpec(
             u, ws, tuple(sorted(inputs.get(u, ()), key=fw_order.index)), _int(out_bytes[u]),
             _int(work_fw.get(u, 0)), _int(work_bw.get(u, 0)), _int(flops_fw.get(u, 0)),
-            _int(flops_bw.get(u, 0)) if bw is not None else None, bws if bws != ws else None))
+            _int(flops_bw.get(u, 0)) if bw is not None else None, bws if bws != ws else None,
+            _int(traffic_fw.get(u, 0)), _int(traffic_bw.get(u, 0)) if bw is not None else None))
     problem = Problem(tuple(regions), tuple(weights), tuple(bw_order) if bw_order else None,
                       _int(base), training=bw is not None)
     members = {}
@@ -139,15 +145,6 @@ def _int(v):
 
 def _is_param(n: fx.Node) -> bool:
     return any(u.op == "call_function" and u.target is ops.FETCH for u in n.users)
-
-
-def _is_view(n: fx.Node) -> bool:
-    t = n.target
-    if t is operator.getitem:
-        return True
-    if not isinstance(t, torch._ops.OpOverload):
-        return False
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
 
 
 def _base(n: fx.Node) -> fx.Node:
@@ -367,6 +364,9 @@ class _Graph:
                 out[u] = out.get(u, 0) + sizes.total([p])
         return out
 
+    def traffic(self, sizes: "_Sizes") -> dict[int, object]:
+        return _traffic(self.nodes, self.owner, sizes.device, sizes.expr)
+
     def flops(self, sizes: "_Sizes") -> dict[int, object]:
         out: dict[int, object] = {}
         for n, u in self.owner.items():
@@ -483,37 +483,6 @@ def _weights(graphs: list[_Graph], params, dtype):
                 per_unit.setdefault(u, []).append(wid)
         fetched.append({u: tuple(ws) for u, ws in per_unit.items()})
     return sorted(weights.values(), key=lambda w: w.id), fetched
-
-
-def _flops(n: fx.Node):
-    """FLOPs of one matmul-like node from torch's formulas (0 for everything else)."""
-    t = n.target
-    if not isinstance(t, torch._ops.OpOverload):
-        return 0
-    formula = flop_registry.get(t.overloadpacket)
-    vals = fx.node.map_aggregate((n.args, n.kwargs),
-                                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
-    if formula is None:
-        return _attention_flops(t, vals[0])
-    try:
-        return formula(*vals[0], out_val=n.meta.get("val"), **vals[1])
-    except (TypeError, ValueError, AssertionError, IndexError):  # a formula that does not
-        return 0  # know this overload's arguments: the op's time is not modelled
-
-
-def _attention_flops(t, args):
-    """CPU attention kernels have no formula: 4 B H L S E forward, twice that backward."""
-    name = t.overloadpacket.__name__
-    if "scaled_dot_product" not in name and "attention" not in name:
-        return 0
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if "backward" in name:
-        tensors = tensors[1:]
-    if len(tensors) < 3 or tensors[0].dim() != 4:
-        return 0
-    q, k = tensors[0], tensors[1]
-    b, h, length, e = q.shape
-    return (8 if "backward" in name else 4) * b * h * length * k.shape[-2] * e
 
 
 class _Sizes:

@@ -34,10 +34,15 @@ class Rates:
     duplex: float  # h2d + d2h bytes/s when both run at once
     flops: float  # matmul FLOP/s in the compute dtype
     adamw: float  # host fused AdamW, parameters/s
+    # device memory bytes/s (read + write) of a large copy on the device; None: memory-bound
+    # kernels are not charged (rates written by hand for a test of the other terms)
+    memory: float | None = None
 
     def __post_init__(self):
-        for name in ("h2d", "d2h", "duplex", "flops", "adamw"):
+        for name in ("h2d", "d2h", "duplex", "flops", "adamw", "memory"):
             v = getattr(self, name)
+            if v is None and name == "memory":
+                continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"Rates.{name}={v!r}: rates must be finite and > 0")
 
@@ -46,19 +51,24 @@ class Rates:
 
     @classmethod
     def from_json(cls, data: dict) -> "Rates":
-        return cls(**{k: data[k] for k in ("device", "h2d", "d2h", "duplex", "flops", "adamw")})
+        """Strict: a cache from before a rate was measured is measured again, not guessed."""
+        return cls(**{k: data[k] for k in ("device", "h2d", "d2h", "duplex", "flops", "adamw",
+                                           "memory")})
 
     def scaled(self, link: float = 1.0, compute: float = 1.0, host: float = 1.0) -> "Rates":
         """The same machine with faster (factor > 1) links, device or host."""
         return Rates(self.device, self.h2d * link, self.d2h * link, self.duplex * link,
-                     self.flops * compute, self.adamw * host)
+                     self.flops * compute, self.adamw * host,
+                     None if self.memory is None else self.memory * compute)
 
 
 # A recent GPU on a PCIe Gen5 host, order of magnitude: the CUDA default without a probe, and
 # plausible numbers for examples and tests.
-GPU_DEFAULT = Rates("GPU (default)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9)
+GPU_DEFAULT = Rates("GPU (default)", h2d=55e9, d2h=55e9, duplex=90e9, flops=700e12, adamw=3.8e9,
+                    memory=2.5e12)
 # A few-core CPU as the compute device (fp32 matmul, memcpy "transfers"), order of magnitude.
-CPU = Rates("CPU (default)", h2d=10e9, d2h=10e9, duplex=15e9, flops=100e9, adamw=0.5e9)
+CPU = Rates("CPU (default)", h2d=10e9, d2h=10e9, duplex=15e9, flops=100e9, adamw=0.5e9,
+            memory=10e9)
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,13 @@ def copy_seconds(nbytes: int, rate: float) -> float:
     return nbytes / rate if nbytes > 0 else 0.0
 
 
-def compute_seconds(flops: int, rates: Rates) -> float:
-    return flops / rates.flops if flops > 0 else 0.0
+def compute_seconds(flops: int, rates: Rates, traffic: int = 0) -> float:
+    """Matmul FLOPs at the matmul rate plus memory-bound bytes at the memory rate: the two
+    kinds of kernel take turns on the device, they do not overlap."""
+    seconds = flops / rates.flops if flops > 0 else 0.0
+    if traffic > 0 and rates.memory is not None:
+        seconds += traffic / rates.memory
+    return seconds
 
 
 def host_bandwidth(rates: Rates) -> float:

@@ -73,6 +73,10 @@ class RegionSpec:
     # needs no weight; a recompute the partitioner hoisted into this region's backward span
     # reads another region's. Gradients come from the regions whose forward reads a weight.
     bw_weights: tuple[int, ...] | None = None
+    # Device memory bytes its memory-bound kernels move (norms, activations, casts): the
+    # compute time beside the FLOPs. Backward without the recompute; default 2 * traffic_fw.
+    traffic_fw: object = 0
+    traffic_bw: object = None
 
     def reads(self, phase: str) -> tuple[int, ...]:
         """Weights fetched for this region's forward ("fw") or recompute + backward ("bw")."""
@@ -133,7 +137,8 @@ class Problem:
     def _sizes(self):
         yield self.base_bytes
         for r in self.regions:
-            yield from (r.out_bytes, r.work_fw, r.work_bw, r.flops_fw, r.flops_bw)
+            yield from (r.out_bytes, r.work_fw, r.work_bw, r.flops_fw, r.flops_bw,
+                        r.traffic_fw, r.traffic_bw)
 
     def substitute(self, dims: Mapping | None = None) -> Problem:
         """The same problem with every size evaluated at `dims` ({symbol or name: int})."""
@@ -153,7 +158,9 @@ class Problem:
                                 work_fw=ev(r.work_fw, f"region {r.id} work_fw"),
                                 work_bw=ev(r.work_bw, f"region {r.id} work_bw"),
                                 flops_fw=ev(r.flops_fw, f"region {r.id} flops_fw"),
-                                flops_bw=ev(r.flops_bw, f"region {r.id} flops_bw"))
+                                flops_bw=ev(r.flops_bw, f"region {r.id} flops_bw"),
+                                traffic_fw=ev(r.traffic_fw, f"region {r.id} traffic_fw"),
+                                traffic_bw=ev(r.traffic_bw, f"region {r.id} traffic_bw"))
                         for r in self.regions)
         return replace(self, regions=regions, base_bytes=ev(self.base_bytes, "base_bytes"))
 
@@ -217,7 +224,8 @@ def _check_problem(p: Problem) -> None:
                 raise MegatrainValueError(f"region {r.id} uses unknown weights {missing}")
             if len(set(ws)) != len(ws):
                 raise MegatrainValueError(f"region {r.id} lists a weight twice: {ws}")
-        for name in ("out_bytes", "work_fw", "work_bw", "flops_fw", "flops_bw"):
+        for name in ("out_bytes", "work_fw", "work_bw", "flops_fw", "flops_bw", "traffic_fw",
+                     "traffic_bw"):
             v = getattr(r, name)
             if isinstance(v, (int, float)) and v < 0:
                 raise MegatrainValueError(f"region {r.id} {name}={v}: sizes must be >= 0")

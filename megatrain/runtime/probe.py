@@ -1,8 +1,9 @@
 """Measure this machine's rates once and cache them: what the planner's cost model reads.
 
 Measured: pinned H2D, D2H, both at once (separate streams), matmul FLOP/s in the compute
-dtype (a Linear's forward and backward products: the layouts training runs), and torch's fused AdamW on the CPU (parameters/s). On a CPU-only machine the
-"device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
+dtype (a Linear's forward and backward products: the layouts training runs), device memory
+bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s).
+On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 
 The result is cached as JSON under $MEGATRAIN_CACHE or ~/.cache/megatrain, one file per
@@ -147,6 +148,17 @@ def _matmul_rate(device: torch.device, n: int, repeats: int) -> float:
     return 3 * 2 * n ** 3 / t
 
 
+def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Device memory bytes/s (read + write) of a large copy within the device: the rate a
+    fused elementwise kernel streams its tensors at."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = max(nbytes // dtype.itemsize, 1)
+    src = torch.ones(n, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    t = _best(lambda: _timed(device, lambda: dst.copy_(src)), repeats)
+    return 2 * n * dtype.itemsize / t
+
+
 def _adamw_rate(numel: int, repeats: int) -> tuple[float, str]:
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
@@ -169,8 +181,10 @@ def probe(device: torch.device | str = "cuda", sizes: ProbeSizes | None = None) 
     sizes = sizes or ProbeSizes.for_device(device)
     h2d, d2h, duplex = _copy_rates(device, sizes.copy_bytes, sizes.repeats)
     flops = _matmul_rate(device, sizes.matmul_n, sizes.repeats)
+    memory = _memory_rate(device, sizes.copy_bytes, sizes.repeats)
     adamw, impl = _adamw_rate(sizes.adamw_params, sizes.repeats)
-    rates = Rates(device_name(device), h2d=h2d, d2h=d2h, duplex=duplex, flops=flops, adamw=adamw)
+    rates = Rates(device_name(device), h2d=h2d, d2h=d2h, duplex=duplex, flops=flops, adamw=adamw,
+                  memory=memory)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "adamw_impl": impl,
             "sizes": sizes.__dict__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return rates, meta

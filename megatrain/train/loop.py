@@ -371,16 +371,12 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         tokens=micro_batch // dinfo.world_size * cfg.seq, seq=cfg.seq, grad_accum=cfg.grad_accum,
         precision=cfg.precision, device=cfg.device, compile=cfg.compile, optimizer=opt_kind,
         clip=cfg.clip,
-        gpu_memory=plan.parse_bytes(cfg.gpu_memory), data_bytes=src.in_memory_bytes(),
-        device_flops=plan.measure_cpu_flops() if cfg.device == "cpu" else None)
+        gpu_memory=plan.parse_bytes(cfg.gpu_memory), data_bytes=src.in_memory_bytes())
     mplan = plan.plan_memory(meta, pcfg)
     del meta
     avail = host_store.available_host_bytes() if available_bytes is None else available_bytes()
     _say(mplan.table(avail))
     plan.check_fits(mplan, avail)
-    if pcfg.gpu_memory and mplan.device_total > pcfg.gpu_memory:
-        _say(f"warning: the device estimate {plan.fmt_bytes(mplan.device_total)} exceeds "
-             f"--gpu-memory {cfg.gpu_memory}; lower --batch-tokens or raise --grad-accum")
 
     # ------------------------------------------------------------------ work starts here
     agreement.agree()  # under torchrun: every rank got here, none refused
@@ -449,6 +445,7 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
          f"({len(tokens):,} tokens); out {out}")
     bar = _progress(cfg, start)
     t_run, times, losses, last_ckpt = time.perf_counter(), [], [], None
+    predicted_s = None  # the backend plan's step, read once the first step compiled it
     stop = interrupts.StopOnSignal(enabled=not dinfo.distributed)
     try:  # a crash leaves the last complete checkpoint; a signal saves one at the next boundary
         stop.__enter__()
@@ -490,9 +487,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                    "device_peak_bytes": metrics.device_peak_bytes(cfg.device, step_fn)}
             writer.write(row)
             if step == start + 1 and cfg.compile == "megatrain":
-                note = plan.explain_summary(step_fn)
-                if note:
-                    (bar.write if bar is not None else _say)(note)
+                note, predicted_s = plan.plan_summary(step_fn)
+                (bar.write if bar is not None else _say)(note)
             if bar is not None:
                 bar.update(1)
                 mem = f"host {plan.fmt_bytes(row['host_rss_bytes'])}"
@@ -526,13 +522,14 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                "first_loss": losses[0] if losses else None,
                "tokens_per_s": tokens_per_step / float(np.mean(steady)) if steady else None,
                "step_time_s": float(np.mean(steady)) if steady else None,
-               "predicted_step_s": mplan.step_s, "checkpoint": str(last_ckpt) if last_ckpt else None,
+               "predicted_step_s": predicted_s, "checkpoint": str(last_ckpt) if last_ckpt else None,
                "plot": str(png) if png else None, "out": str(out),
                "wall_s": time.perf_counter() - t_run}
     if losses:
         _say(f"done: step {end}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
-             f"{summary['tokens_per_s']:,.0f} tokens/s, step {plan.fmt_seconds(summary['step_time_s'])} "
-             f"(predicted {plan.fmt_seconds(mplan.step_s)}); checkpoint {last_ckpt}; plot {png}")
+             f"{summary['tokens_per_s']:,.0f} tokens/s, step {plan.fmt_seconds(summary['step_time_s'])}"
+             + (f" (plan: {plan.fmt_seconds(predicted_s)})" if predicted_s is not None else "")
+             + f"; checkpoint {last_ckpt}; plot {png}")
     return summary
 
 

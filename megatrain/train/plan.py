@@ -1,18 +1,19 @@
-"""The memory plan printed before training: host bytes, device bytes, predicted step time.
+"""The memory plan printed before training: the host RAM a run needs, refused up front.
 
 Computed from the model's parameters alone (works on a meta-device model, so an 8B plan
-costs nothing) and the shape of a step. The accounting: host keeps the
-fp32 master and AdamW moments (12 B/param), plus gradients in compatibility mode and a
-few pinned staging slabs; the device holds k weight slots of the largest streamed unit,
-the layer-boundary activations and one layer's working set. Once the backend exposes
-`megatrain.explain(step)`, its predicted peak and step time replace the device estimate.
+costs nothing) and the shape of a step. The accounting: host keeps the fp32 master and
+AdamW moments (12 B/param), plus gradients in compatibility mode and a few pinned staging
+slabs. Device bytes are the backend planner's to decide inside `--gpu-memory`: its plan
+(predicted step and peak, `megatrain.explain`) is printed once the first step compiled it
+(`plan_summary`), and no second, coarser guess is printed beside it. Only where there is
+no planner (`--compile eager`) or the device is host memory (the CPU) does this module
+estimate the device's bytes, and there only to hold them to the RAM available.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,21 +47,6 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def measure_cpu_flops(seconds: float = 0.2) -> float:
-    """fp32 matmul FLOP/s of this CPU with torch's thread count: the best of short trials,
-    so a moment of contention from other processes does not skew the plan."""
-    n = 384
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
-    return best
-
-
 @dataclass
 class PlanConfig:
     tokens: int                   # tokens in one micro-batch (one forward/backward)
@@ -75,9 +61,6 @@ class PlanConfig:
     slots: int = 3                # weight slots on the device (double buffer + one in use)
     data_bytes: int = 0
     checkpoint_shard_bytes: int = 4 * GiB
-    device_flops: float | None = None     # FLOP/s; None: 700e12 bf16 / 50e12 fp32 (GPU), 5e10 CPU
-    transfer_bytes_per_s: float | None = None  # H2D/D2H; None: 55e9 pinned PCIe, 10e9 on CPU
-    host_bytes_per_s: float = 100e9       # host memory bandwidth seen by the optimizer
 
 
 @dataclass
@@ -91,12 +74,6 @@ class MemoryPlan:
     host_total: int = 0
     device_total: int = 0
     host_needed: int = 0          # host RAM the run needs (adds the device pool when it is the CPU)
-    flops_per_step: float = 0.0
-    compute_s: float = 0.0
-    transfer_s: float = 0.0
-    host_s: float = 0.0
-    step_s: float = 0.0
-    bound: str = ""
     cfg: PlanConfig | None = None
 
     def table(self, available: int | None = None) -> str:
@@ -109,19 +86,20 @@ class MemoryPlan:
         lines.append("  host RAM")
         lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.host.items()]
         lines.append(f"    {'total host':<{w}}{fmt_bytes(self.host_total):>12}")
-        lines.append(f"  device ({c.device})" + (f", budget {fmt_bytes(c.gpu_memory)}"
-                                                  if c.gpu_memory else ""))
-        lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.device.items()]
-        lines.append(f"    {'total device':<{w}}{fmt_bytes(self.device_total):>12}")
+        budget = fmt_bytes(c.gpu_memory) if c.gpu_memory else "the free device memory"
+        if c.compile == "megatrain" and not c.device.startswith("cpu"):
+            lines.append(f"  device ({c.device}): the planner fits the step into {budget}; "
+                         f"its plan is printed after the first step")
+        else:
+            lines.append(f"  device ({c.device}), estimated")
+            lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.device.items()]
+            lines.append(f"    {'total device':<{w}}{fmt_bytes(self.device_total):>12}")
         if self.host_needed != self.host_total:
             lines.append(f"  host RAM needed (the device pool is host RAM too): "
                          f"{fmt_bytes(self.host_needed)}")
         if available is not None:
             lines.append(f"  host RAM available now: {fmt_bytes(available)}"
                          f" -> {'fits' if self.host_needed <= available else 'DOES NOT FIT'}")
-        lines.append(f"  predicted step: {fmt_seconds(self.step_s)} ({self.bound}; compute "
-                     f"{fmt_seconds(self.compute_s)}, transfers {fmt_seconds(self.transfer_s)}, "
-                     f"host optimizer {fmt_seconds(self.host_s)})")
         return "\n".join(lines)
 
 
@@ -148,7 +126,7 @@ def _unique_linears(model: nn.Module) -> list[nn.Linear]:
 
 
 def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
-    """Host and device bytes and a step-time floor for training `model` with `cfg`."""
+    """Host bytes (and a device estimate, module docstring) for training `model` with `cfg`."""
     n = sum(p.numel() for p in model.parameters())
     n_matmul = sum(m.weight.numel() for m in _unique_linears(model))
     layers: list[int] = []
@@ -202,26 +180,6 @@ def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
     plan.device_total = sum(plan.device.values())
     plan.host_needed = plan.host_total + (plan.device_total if on_cpu else 0)
 
-    flops = cfg.device_flops or (5e10 if on_cpu else (700e12 if cb == 2 else 50e12))
-    xfer_bw = cfg.transfer_bytes_per_s or (10e9 if on_cpu else 55e9)
-    tokens_step = T * cfg.grad_accum
-    attn = 12.0 * L * hidden * cfg.seq
-    if cfg.compile == "eager":
-        plan.flops_per_step = (6.0 * n_matmul + attn) * tokens_step
-        plan.compute_s = plan.flops_per_step / flops
-        plan.host_s = 28.0 * n / (cfg.host_bytes_per_s if on_cpu else 4e12)
-        plan.transfer_s = 0.0
-        plan.step_s = plan.compute_s + plan.host_s
-        plan.bound = "eager: compute then optimizer"
-    else:
-        plan.flops_per_step = (8.0 * n_matmul + attn * 4 / 3) * tokens_step  # with recompute
-        plan.compute_s = plan.flops_per_step / flops
-        plan.transfer_s = cfg.grad_accum * n * (2 * cb + 4) / xfer_bw
-        plan.host_s = 34.0 * n / cfg.host_bytes_per_s
-        plan.step_s = max(plan.compute_s, plan.transfer_s, plan.host_s)
-        plan.bound = "floor with full overlap: " + max(
-            (("compute-bound", plan.compute_s), ("transfer-bound", plan.transfer_s),
-             ("host-memory-bound", plan.host_s)), key=lambda kv: kv[1])[0]
     return plan
 
 
@@ -240,36 +198,13 @@ def check_fits(plan: MemoryPlan, available: int | None) -> None:
     )
 
 
-def explain_summary(step_fn) -> str | None:
-    """The backend's own prediction, once `megatrain.explain(step)` exists (else None).
+def plan_summary(step_fn) -> tuple[str, float | None]:
+    """The backend's plan for the compiled step, in one line, and its predicted seconds per
+    step (None where it has no prediction): what the run is measured against."""
+    import megatrain
 
-    Reads whichever of the documented fields the plan object has: predicted peak device
-    bytes and predicted step time, and the peak a step reached where it reports one.
-    """
-    try:
-        import megatrain
-        explain = megatrain.explain
-    except (ImportError, AttributeError):
-        return None
-    try:
-        info = explain(step_fn)
-    except Exception as e:  # the backend is young: never let introspection stop training
-        return f"megatrain.explain failed: {type(e).__name__}: {e}"
-
-    def pick(*names):
-        for n in names:
-            v = info.get(n) if isinstance(info, dict) else getattr(info, n, None)
-            if v is not None:
-                return v
-        return None
-    peak = pick("predicted_peak_bytes", "predicted_peak_device_bytes", "peak_device_bytes")
-    measured = pick("measured_peak_bytes")
-    step_s = pick("predicted_step_s", "predicted_step_time_s", "step_time_s")
-    parts = []
-    if peak is not None:
-        parts.append(f"predicted peak device {fmt_bytes(peak)}")
-    if measured is not None:
-        parts.append(f"measured peak device {fmt_bytes(measured)}")
-    if step_s is not None:
-        parts.append(f"step {fmt_seconds(step_s)}")
-    return "megatrain.explain: " + (", ".join(parts) if parts else "no prediction fields")
+    info = megatrain.explain(step_fn)
+    step_s, peak = info.predicted_step_s, info.predicted_peak_bytes
+    parts = [f"predicted step {fmt_seconds(step_s)}" if step_s is not None else "no step prediction",
+             f"planned peak device {fmt_bytes(peak)}"]
+    return "plan: " + ", ".join(parts), step_s

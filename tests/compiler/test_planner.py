@@ -52,8 +52,9 @@ def rate(lo: float, hi: float):
     return st.floats(lo, hi, allow_nan=False, allow_infinity=False)
 
 
-rates_st = st.builds(lambda h, d, x, f, a: Rates("hypothesis", h, d, x, f, a),
-                     rate(1e8, 1e11), rate(1e8, 1e11), rate(1e8, 2e11), rate(1e9, 1e15), rate(1e6, 1e10))
+rates_st = st.builds(lambda h, d, x, f, a, m: Rates("hypothesis", h, d, x, f, a, m),
+                     rate(1e8, 1e11), rate(1e8, 1e11), rate(1e8, 2e11), rate(1e9, 1e15), rate(1e6, 1e10),
+                     st.one_of(st.none(), rate(1e9, 1e13)))
 
 
 @st.composite
@@ -85,7 +86,8 @@ def problems(draw, max_regions: int = 10, min_regions: int = 1):
             bw_ws = tuple(sorted({w for w in ws if rng.random() < 0.5}
                                  | ({rng.randrange(n)} if rng.random() < 0.3 else set())))
         regions.append(RegionSpec(i, tuple(sorted(ws)), tuple(sorted(inputs)), draw(outs), draw(sizes),
-                                  draw(sizes), draw(flops), draw(st.one_of(st.none(), flops)), bw_ws))
+                                  draw(sizes), draw(flops), draw(st.one_of(st.none(), flops)), bw_ws,
+                                  draw(sizes), draw(st.one_of(st.none(), sizes))))
     backward = None
     if rng.random() < 0.3:  # some other valid backward order: consumers before producers
         consumers = {r.id: [c.id for c in regions if r.id in c.inputs] for r in regions}
@@ -238,7 +240,7 @@ def test_faster_machines_never_predict_a_slower_step(problem, factor, rates, fas
     budget = int(min_budget(problem) * factor)
     slow = plan_step(problem, budget, rates, options=options)
     quick = Rates(rates.device, rates.h2d * faster[0], rates.d2h * faster[1], rates.duplex * faster[2],
-                  rates.flops, rates.adamw)
+                  rates.flops, rates.adamw, rates.memory)
     assert plan_step(problem, budget, quick, options=options).step_time <= slow.step_time
     quicker = quick.scaled(compute=others[0], host=others[1])
     assert plan_step(problem, budget, quicker, options=options).step_time <= slow.step_time

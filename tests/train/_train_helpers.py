@@ -12,6 +12,7 @@ from megatrain.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small and fast: the tiny preset on short sequences, plain torch on the CPU, fp32.
+_SUBPROCESS_CACHE = tempfile.mkdtemp(prefix="megatrain-cli-cache-")
 SMALL = ["--compile", "eager", "--device", "cpu", "--precision", "fp32", "--seq", "32",
          "--batch-tokens", "128", "--no-progress"]
 
@@ -25,7 +26,11 @@ def rows(out) -> list[dict]:
 
 
 def python_env() -> dict:
+    """The environment of a CLI run in its own process: as a user's (it probes the machine
+    at its first compile), with a cache folder of its own so its rates never reach the
+    plans of the tests that run in this process."""
     env = dict(os.environ)
+    env["MEGATRAIN_CACHE"] = _SUBPROCESS_CACHE
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env
 

@@ -1,0 +1,174 @@
+"""What each unit of a graph asks of the device: matmul FLOPs and memory-bound traffic.
+
+The cost model charges a unit's compute as `flops / rates.flops + traffic / rates.memory`:
+
+- **FLOPs** of matmuls and attention, from torch's flop formulas (attention on the CPU
+  and the fused linear-cross-entropy have none: counted here). Their operands' memory
+  traffic hides under the arithmetic, so it is not counted again.
+- **Traffic** of everything else that computes (norms, rotary, activations, residual
+  adds, casts, softmax of the loss, their backwards): bytes read from and written to
+  device memory. Inductor fuses each connected run of such ops into a few kernels that
+  read their inputs once and write only what is read elsewhere, so the count follows
+  that: per unit, memory-bound nodes connected through data edges (views are
+  transparent) form one group, and a group moves the bytes of the tensors it reads from
+  outside plus the bytes of its results read outside. Transfer ops (fetches, hand-offs,
+  offloads) run on the copy engines and are the link's cost, not the device's.
+
+Both are sympy expressions over the graph's symbolic dims, like every size the planner
+reads.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
+
+
+def is_view(n: fx.Node) -> bool:
+    t = n.target
+    if t is operator.getitem:
+        return True
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
+
+
+def flops(n: fx.Node):
+    """FLOPs of one matmul-like node from torch's formulas (0 for everything else)."""
+    t = n.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return 0
+    if t.name() == FUSED_LOSS:
+        return _fused_loss_flops(n)
+    formula = flop_registry.get(t.overloadpacket)
+    vals = fx.node.map_aggregate((n.args, n.kwargs),
+                                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    if formula is None:
+        return _attention_flops(t, vals[0])
+    try:
+        return formula(*vals[0], out_val=n.meta.get("val"), **vals[1])
+    except (TypeError, ValueError, AssertionError, IndexError):  # a formula that does not
+        return 0  # know this overload's arguments: the op's time is not modelled
+
+
+def _attention_flops(t, args):
+    """CPU attention kernels have no formula: 4 B H L S E forward, twice that backward."""
+    name = t.overloadpacket.__name__
+    if "scaled_dot_product" not in name and "attention" not in name:
+        return 0
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if "backward" in name:
+        tensors = tensors[1:]
+    if len(tensors) < 3 or tensors[0].dim() != 4:
+        return 0
+    q, k = tensors[0], tensors[1]
+    b, h, length, e = q.shape
+    return (8 if "backward" in name else 4) * b * h * length * k.shape[-2] * e
+
+
+def _fused_loss_flops(n: fx.Node):
+    """The fused linear-cross-entropy's three products per chunk: the logits, and (in the
+    same call) the hidden states' and the head's gradients where asked for."""
+    hidden, weight = n.args[0].meta["val"], n.args[1].meta["val"]
+    need_gh, need_gw = bool(n.args[6]), bool(n.args[7])
+    tokens, width = hidden.shape
+    return 2 * tokens * width * weight.shape[0] * (1 + need_gh + need_gw)
+
+
+def _fused_loss_traffic(n: fx.Node, nbytes):
+    """Its logits chunk is written by the product, then read and overwritten with its
+    gradient by the cross-entropy kernel: three passes over [tokens, vocab]."""
+    hidden, weight = n.args[0].meta["val"], n.args[1].meta["val"]
+    return 3 * nbytes(hidden.shape[0], weight.shape[0], itemsize=hidden.element_size())
+
+
+def traffic(nodes: list[fx.Node], owner: dict[fx.Node, int], device: torch.device,
+            expr) -> dict[int, object]:
+    """Per unit, the bytes its memory-bound kernels move (module docstring). `owner`: the
+    unit of each compute node; `expr`: a symbolic size as a sympy expression."""
+
+    def nbytes(*shape, itemsize):
+        out = sympy.Integer(itemsize)
+        for s in shape:
+            out *= expr(s)
+        return out
+
+    def tensor_bytes(n: fx.Node):
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        return sum((nbytes(*x.shape, itemsize=x.element_size()) for x in vals
+                    if isinstance(x, torch.Tensor) and x.device.type == device.type),
+                   sympy.Integer(0))
+
+    def source(a: fx.Node) -> fx.Node:
+        """The node whose kernel produced `a` (through views)."""
+        while a.op == "call_function" and is_view(a) and a.args and isinstance(a.args[0], fx.Node):
+            a = a.args[0]
+        return a
+
+    bound = [n for n in nodes if n in owner and _memory_bound(n)]
+    group = {n: n for n in bound}
+
+    def find(n):
+        while group[n] is not n:
+            group[n] = group[group[n]]
+            n = group[n]
+        return n
+
+    for n in bound:
+        for a in n.all_input_nodes:
+            s = source(a)
+            if s in group and owner[s] == owner[n]:
+                group[find(n)] = find(s)
+
+    out: dict[int, object] = {}
+
+    def add(u, v):
+        out[u] = out.get(u, sympy.Integer(0)) + v
+
+    read: set[tuple[fx.Node, fx.Node]] = set()
+    for n in bound:
+        g = find(n)
+        for a in n.all_input_nodes:
+            s = source(a)
+            if (s in group and find(s) is g) or (g, a) in read:
+                continue
+            read.add((g, a))
+            # a slice reads its own bytes, a broadcast (expand) its source's: the smaller
+            add(owner[n], sympy.Min(tensor_bytes(a), tensor_bytes(s)))
+        if _read_outside(n, g, group, find):
+            add(owner[n], tensor_bytes(n))
+    for n in nodes:
+        if n in owner and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and n.target.name() == FUSED_LOSS:
+            add(owner[n], _fused_loss_traffic(n, nbytes))
+    return out
+
+
+def _memory_bound(n: fx.Node) -> bool:
+    if n.op != "call_function" or is_view(n):
+        return False
+    t = n.target
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "megatrain":
+        return False  # transfers (the link's), the fused loss (counted on its own)
+    if getattr(t, "__name__", "") == "with_effects":
+        return False  # an effectful custom op (a gradient hand-off)
+    return not flops(n)
+
+
+def _read_outside(n: fx.Node, g: fx.Node, group: dict, find) -> bool:
+    """Whether a node outside `n`'s group (or the graph's output) reads `n`, through views."""
+    todo = list(n.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "call_function" and is_view(u):
+            todo.extend(u.users)
+        elif u not in group or find(u) is not g:
+            return True
+    return False

@@ -25,24 +25,12 @@ class GraphPlan:
     saved_activations: list[str] = field(default_factory=list)
     schedule: object = None  # schedule.StepSchedule: the planner's plan, rates, event lists
     streamer: object = None
-    # Where each region's megatrain.AdamW update runs ("host" | "device" | "resident";
-    # update_sites.py), for the regions that hand their gradients to one; and the device
-    # bytes the plan leaves free, within which device updates in flight are held.
-    update_sites: dict[int, str] = field(default_factory=dict)
-    update_reserve: int = 0
-    # region -> the parameter ids whose gradients it hands to megatrain.AdamW: the planner
-    # weights a site takes off the host (their ids are the parameters').
-    update_params: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # The kernel patterns swapped into this graph (fusions.PATTERNS names), and why, in words,
     # when megatrain chose them itself (the fused loss applied because the budget needed it).
     kernels: tuple[str, ...] = ()
     note: str = ""
-    # Host bytes the graph adds beyond the model's parameters, by what holds them
-    # (compiler/host_budget.py), and the host_memory budget they were held to.
-    host_needs: dict[str, int] = field(default_factory=dict)
-    host_memory: int | None = None
-    # Every decision the runtime was built from (plan/step_plan.py); the fields above it
-    # that describe decisions are read from it (record).
+    # Every decision the runtime was built from (plan/step_plan.py); the properties below
+    # that describe decisions read it, so explain and the runtime cannot disagree.
     step_plan: StepPlan | None = None
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
@@ -51,13 +39,39 @@ class GraphPlan:
         return f"# forward\n{self.forward_code}\n# backward\n{self.backward_code}"
 
     def record(self, step: StepPlan) -> None:
-        """Keep the StepPlan the runtime is built from, and its decisions in the fields
-        explain has always shown."""
+        """Keep the StepPlan the runtime is built from."""
         self.step_plan = step
-        self.update_sites = step.sites
-        self.update_reserve = step.update_reserve
-        self.update_params = {r.id: r.params for r in step.regions if r.params}
-        self.host_needs, self.host_memory = dict(step.host_needs), step.host_memory
+
+    @property
+    def update_sites(self) -> dict[int, str]:
+        """Where each region's megatrain.AdamW update runs ("host" | "device" | "resident";
+        update_sites.py), for the regions that hand their gradients to one."""
+        return self.step_plan.sites if self.step_plan is not None else {}
+
+    @property
+    def update_reserve(self) -> int:
+        """The device bytes the plan leaves free, within which updates on the device and
+        resident state are held."""
+        return self.step_plan.update_reserve if self.step_plan is not None else 0
+
+    @property
+    def update_params(self) -> dict[int, tuple[int, ...]]:
+        """Region -> the parameter ids whose gradients it hands to megatrain.AdamW: the
+        planner weights a site takes off the host (their ids are the parameters')."""
+        if self.step_plan is None:
+            return {}
+        return {r.id: r.params for r in self.step_plan.regions if r.params}
+
+    @property
+    def host_needs(self) -> dict[str, int]:
+        """Host bytes the graph adds beyond the model's parameters, by what holds them
+        (compiler/host_budget.py)."""
+        return dict(self.step_plan.host_needs) if self.step_plan is not None else {}
+
+    @property
+    def host_memory(self) -> int | None:
+        """The host_memory budget the host needs were held to."""
+        return self.step_plan.host_memory if self.step_plan is not None else None
 
     @property
     def slots(self) -> int:

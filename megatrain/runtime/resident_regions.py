@@ -31,7 +31,7 @@ For a region the plan made resident (megatrain.compiler.update_sites):
 
 Only one compiled graph holds resident regions at a time: their bytes outlive the graph's
 step, and another graph's plan does not count them. A graph placing resident regions
-therefore demotes every other streamer's (see ``Streamer.place_updates``).
+therefore demotes every other streamer's (see ``Streamer._place_updates``).
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class Streamer:
         # The safety net (wait): the parameters each queued prefetch asked for, per region.
         self._requested: dict[int, collections.deque[list[torch.Tensor]]] = collections.defaultdict(
             collections.deque)
-        # -- updates beside the plan (place_updates) --
+        # -- updates beside the plan (_place_updates) --
         self._room = UpdateRoom(self._ctx)
         self._resident_claimed = False  # begin_step sends other graphs' residents home, once
         # grow_reserve's measurement: whole steps of this graph alone (begin/end_step)
@@ -158,8 +158,8 @@ class Streamer:
         self._snapshots = Snapshots(device)
         self._handoff = GradHandoff(self._ctx, self._slabs, self._snapshots, self._region_out)
         self._host_grads = HostGrads(self._ctx)
-        self._ring: GradRing | None = None  # enable_grad_ring
-        # The backlog (enable_backlog): the forward's fetch order, by which sealed regions
+        self._ring: GradRing | None = None  # _enable_grad_ring
+        # The backlog (_enable_backlog): the forward's fetch order, by which sealed regions
         # are handed over (None: in arrival order, and backward's end waits for them all),
         # and the device side of backlog="device".
         self.deadlines: Deadlines | None = None
@@ -182,7 +182,7 @@ class Streamer:
 
     @property
     def reserve(self):
-        """What the plan leaves free on the device (place_updates); None before."""
+        """What the plan leaves free on the device (_place_updates); None before."""
         return self._room.reserve
 
     @property
@@ -279,7 +279,7 @@ class Streamer:
             release_unused_pinned_blocks()
 
     # -- the room beside the plan (update_room.py; the sites: compiler/update_sites.py) --
-    def place_updates(self, regions: dict[int, list[int]], reserve: int,
+    def _place_updates(self, regions: dict[int, list[int]], reserve: int,
                       resident: dict[int, list[int]] | None = None) -> None:
         """Run the AdamW update of ``regions`` (region -> its parameter ids) on the device,
         their buffers in flight held within ``reserve`` bytes beside the plan; keep the
@@ -323,14 +323,14 @@ class Streamer:
         self._slabs.host_bytes = g.host_slab_bytes
         if not step.handoffs:
             return
-        self.expect_gradients(collections.Counter(p for _, p in step.handoffs),
+        self._expect_gradients(collections.Counter(p for _, p in step.handoffs),
                               collections.Counter(r for r, _ in step.handoffs))
         self.snapshot_window = step.snapshot_window
-        self.place_updates(step.device_regions, step.update_reserve, resident=step.resident_order)
+        self._place_updates(step.device_regions, step.update_reserve, resident=step.resident_order)
         if g.route == "backlog":
-            self.enable_backlog(g.backlog, list(step.handoffs))
+            self._enable_backlog(g.backlog, list(step.handoffs))
         elif g.route == "ring":
-            self.enable_grad_ring(g.chunk_bytes)
+            self._enable_grad_ring(g.chunk_bytes)
 
     def cast_staging_bytes(self, region_numel: int) -> int:
         """Device bytes the weight path's cast staging may take beside the plan when the
@@ -496,31 +496,31 @@ class Streamer:
             self.device_updates.retire()
 
     # -- gradients out ---------------------------------------------------------------
-    def expect_gradients(self, per_param: dict[int, int], per_region: dict[int, int]) -> None:
+    def _expect_gradients(self, per_param: dict[int, int], per_region: dict[int, int]) -> None:
         """How many gradient contributions one backward sends, per parameter and per region
         (a tied weight sends one per region that fetched it)."""
         self._handoff.expect(per_param, per_region)
         for pid in per_param:
             handoff_graphs.note(self.params[pid], self.index)
 
-    def enable_backlog(self, where: str, handoffs: list[tuple[int, int]]) -> None:
+    def _enable_backlog(self, where: str, handoffs: list[tuple[int, int]]) -> None:
         """Hand sealed regions to the host optimizer earliest deadline first and defer
         those left at the end of backward into the next forward (deadlines.py); with
         ``where="device"`` also keep gradients that find no free slab on the device,
-        within the reserve of place_updates (grad_backlog.py). ``handoffs``: the
+        within the reserve of _place_updates (grad_backlog.py). ``handoffs``: the
         backward's (region, param id) hand-offs; there, regions holding part of a tied
         weight's gradient stay on the slab path."""
         assert where in ("host", "device"), where
         self.deadlines = Deadlines()
         if where == "device":
-            assert self.reserve is not None, "place_updates first"
+            assert self.reserve is not None, "_place_updates first"
             counts = collections.Counter(p for _, p in handoffs)
             tied = {r for r, p in handoffs if counts[p] > 1}
             self.backlog = GradBacklog(self.device, self.reserve, tied, self.deadlines)
         self._handoff.use_backlog(self.deadlines, self.backlog)
         self._route_gradients()
 
-    def enable_grad_ring(self, chunk_bytes: int, chunks: int = GRAD_RING_CHUNKS) -> None:
+    def _enable_grad_ring(self, chunk_bytes: int, chunks: int = GRAD_RING_CHUNKS) -> None:
         """Send untied gradients to their optimizer through a ring of fixed-size host chunks
         instead of region slabs (grad_ring.py): host memory for gradients becomes
         ``chunks x chunk_bytes`` whatever the largest region."""

@@ -1,10 +1,11 @@
-"""Atomic checkpoints: `OUT/checkpoints/step_00000100/` holds
+"""Atomic, verifiable checkpoints: `OUT/checkpoints/step_00000100/` holds
 
     model.safetensors (or shards + index)  fp32 weights under Hugging Face Llama names
     config.json                            Hugging Face LlamaForCausalLM config
     tokenizer files                        when a Hugging Face tokenizer was used
     optimizer.pt                           optimizer.state_dict()
     rng.pt                                 torch CPU (+ CUDA) generator, python random, numpy
+    manifest.json                          every other file's size and CRC-32 per 16 MiB
     state.json                             step, data position, tokens seen, run config
 
 Everything is written into `checkpoints/.tmp-step_...` and fsynced, then the folder is
@@ -12,6 +13,12 @@ renamed into place: a visible `step_*` folder is always complete, and a process 
 mid-save leaves the previous one untouched (the stray temp folder is removed next run).
 Set MEGATRAIN_SAVE_SLEEP=STEP:SECONDS (or SECONDS for every save) to sleep between the
 writes and the rename: the kill-during-save test uses it.
+
+A complete folder can still go bad later (a full disk, a copy cut short, bit rot), so
+`--resume` checks it first (`verify_checkpoint`) and falls back to the newest intact one
+(`latest_intact_checkpoint`). Nothing is deleted on the way: a damaged folder whose step is
+saved again is set aside as `step_....damaged`, and pruning only removes checkpoints at or
+below the step just saved, which is intact by construction.
 """
 
 from __future__ import annotations
@@ -21,28 +28,34 @@ import os
 import random
 import shutil
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import hf
+from megatrain.models import Llama
+
+from . import RefusedError, hf
 
 SUBDIR = "checkpoints"
 PREFIX = "step_"
+MANIFEST = "manifest.json"
+CHUNK = 16 << 20
 
 
 def checkpoints_root(out: str | Path) -> Path:
     return Path(out) / SUBDIR
 
 
-def list_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
+def _step_folders(out: str | Path) -> list[tuple[int, Path]]:
+    """Every visible `step_N` folder, complete or not, oldest first."""
     root = checkpoints_root(out)
     found = []
     if root.is_dir():
         for d in root.iterdir():
-            if d.is_dir() and d.name.startswith(PREFIX) and (d / "state.json").is_file():
+            if d.is_dir() and d.name.startswith(PREFIX):
                 try:
                     found.append((int(d.name[len(PREFIX):]), d))
                 except ValueError:
@@ -50,9 +63,38 @@ def list_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def list_checkpoints(out: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints (state.json present), oldest first; not verified."""
+    return [(s, d) for s, d in _step_folders(out) if (d / "state.json").is_file()]
+
+
 def latest_checkpoint(out: str | Path) -> Path | None:
     ckpts = list_checkpoints(out)
     return ckpts[-1][1] if ckpts else None
+
+
+def latest_intact_checkpoint(out: str | Path, checksums: bool = True
+                             ) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint `verify_checkpoint` passes, and the (folder, reason) of every
+    newer one it skipped, newest first. Reads and changes nothing else."""
+    skipped = []
+    for _, d in reversed(_step_folders(out)):
+        reason = verify_checkpoint(d, checksums=checksums)
+        if reason is None:
+            return d, skipped
+        skipped.append((d, reason))
+    return None, skipped
+
+
+def resume_note(out: str | Path) -> str:
+    """Where --resume would continue, in words, by the quick checks: no checksums, which
+    would read the whole checkpoint (tens of GB) only to word a message."""
+    ckpt, damaged = latest_intact_checkpoint(out, checksums=False)
+    note = "".join(f"; {d} is damaged ({why})" for d, why in damaged)
+    if ckpt is None:
+        return ("no checkpoint is intact" if damaged else "no checkpoint was complete") + \
+            note + ": nothing to resume"
+    return f"--resume continues from step {read_state(ckpt)['step'] + 1} ({ckpt}){note}"
 
 
 def remove_partial(out: str | Path) -> None:
@@ -90,6 +132,52 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ----------------------------------------------------------------------------- checksums
+
+def _chunk_crcs(files: list[Path]) -> dict[str, list[str]]:
+    """CRC-32 of each 16 MiB chunk of each file, as 8 hex digits, keyed by file name.
+
+    Why CRC-32: it guards against accidents (a truncated copy, a torn write, a flipped bit),
+    not against tampering, and a checkpoint of an 8B run is ~100 GB that is hashed at every
+    save and read again at every resume. zlib.crc32 runs at about 4 GB/s per core (SHA-256
+    about 1.6, BLAKE2b under 1) and releases the GIL on large buffers, so the chunks are
+    hashed on a thread pool and the disk, not the hash, sets the pace; a value per chunk
+    also says where in a file the damage is.
+    """
+    jobs = [(f, off) for f in files for off in range(0, max(1, f.stat().st_size), CHUNK)]
+    fds: dict[Path, int] = {}
+
+    def crc(job):
+        f, off = job
+        return f"{zlib.crc32(os.pread(fds[f], CHUNK, off)) & 0xFFFFFFFF:08x}"
+
+    try:
+        for f in files:
+            fds[f] = os.open(f, os.O_RDONLY)
+        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+            values = list(pool.map(crc, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    out: dict[str, list[str]] = {f.name: [] for f in files}
+    for (f, _), v in zip(jobs, values):
+        out[f.name].append(v)
+    return out
+
+
+def _write_manifest(folder: Path, state_bytes: bytes) -> None:
+    """manifest.json for every file in `folder` plus the state.json still to be written."""
+    files = sorted(f for f in folder.iterdir() if f.is_file())
+    crcs = _chunk_crcs(files)
+    entries = {f.name: {"bytes": f.stat().st_size, "crc32": crcs[f.name]} for f in files}
+    entries["state.json"] = {"bytes": len(state_bytes), "crc32": [
+        f"{zlib.crc32(state_bytes[i:i + CHUNK]) & 0xFFFFFFFF:08x}"
+        for i in range(0, max(1, len(state_bytes)), CHUNK)]}
+    manifest = {"format": "megatrain checkpoint manifest", "version": 1,
+                "checksum": "crc32", "chunk_bytes": CHUNK, "files": entries}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
 # ---------------------------------------------------------------------------------- save
 
 def _fsync_tree(folder: Path) -> None:
@@ -122,15 +210,32 @@ def _test_hook(step: int) -> None:
         time.sleep(float(secs))
 
 
+def _set_aside(folder: Path) -> Path:
+    """Rename a damaged folder out of the way (kept for inspection, never listed again)."""
+    aside, n = folder.with_name(folder.name + ".damaged"), 1
+    while aside.exists():
+        n += 1
+        aside = folder.with_name(f"{folder.name}.damaged{n}")
+    os.rename(folder, aside)
+    return aside
+
+
 def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, state: dict, hf_config: dict,
-                    extra_files: list[Path] = (), keep: int = 2) -> Path:
-    """Write the checkpoint for `step` atomically; keep the newest `keep`; return its folder."""
+                    extra_files: list[Path] = (), keep: int = 2, say=None) -> Path:
+    """Write the checkpoint for `step` atomically; keep the newest `keep` at or below it;
+    return its folder. `say(msg)` hears of a damaged folder set aside for this step."""
     root = checkpoints_root(out)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    if final.is_dir() and (final / "state.json").is_file():
-        return final          # this exact step is already saved (e.g. re-saved after resume)
+    if final.is_dir():
+        reason = verify_checkpoint(final)
+        if reason is None:
+            return final      # this exact step is already saved and intact
+        aside = _set_aside(final)
+        if say is not None:
+            say(f"checkpoint {final} is damaged ({reason}); kept it as {aside} (delete it once "
+                f"it is no longer needed) and saving step {step} anew")
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -143,16 +248,166 @@ def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
         shutil.copy2(f, tmp / Path(f).name)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(capture_rng(), tmp / "rng.pt")
+    state_bytes = json.dumps({**state, "step": step}, indent=2).encode()
+    _write_manifest(tmp, state_bytes)
     # state.json last: its presence marks a complete folder even to a reader that ignores
     # the rename protocol.
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    (tmp / "state.json").write_bytes(state_bytes)
     _fsync_tree(tmp)
     _test_hook(step)
     os.rename(tmp, final)
     _fsync_dir(root)
-    for _, old in list_checkpoints(out)[:-keep]:
+    # Only checkpoints up to this step count: newer ones are damaged leftovers a resume
+    # skipped, which are not ours to delete (nor may they push out the one just written).
+    for _, old in [c for c in list_checkpoints(out) if c[0] <= step][:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+# -------------------------------------------------------------------------------- verify
+
+def verify_checkpoint(path: str | Path, checksums: bool = True) -> str | None:
+    """None if the folder is an intact checkpoint, else why not, in words naming the file.
+
+    Cheap checks first: state.json parses and names this folder's step; every file the
+    manifest lists is there with its size; the safetensors headers hold every tensor the
+    checkpoint's config.json makes, with its shape. Then, with `checksums`, every chunk's
+    CRC-32, which reads the whole checkpoint once. A checkpoint written before manifests
+    existed gets what can be checked without one: no empty file, optimizer.pt and rng.pt
+    load; refusing it would strand every run saved by an older megatrain.
+    """
+    path = Path(path)
+    try:
+        reason = _check_state(path)
+        if reason is not None:
+            return reason
+        manifest, reason = _read_manifest(path)
+        if reason is None:
+            reason = _check_legacy(path) if manifest is None else _check_sizes(path, manifest)
+        if reason is None:
+            reason = _check_weights(path)
+        if reason is None and manifest is not None and checksums:
+            reason = _check_crcs(path, manifest)
+        return reason
+    except OSError as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+
+
+def _check_state(path: Path) -> str | None:
+    f = path / "state.json"
+    if not f.is_file():
+        return "state.json is missing"
+    try:
+        state = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"state.json is not valid JSON ({e})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return "state.json has no step"
+    if path.name.startswith(PREFIX) and path.name[len(PREFIX):] != f"{state['step']:08d}":
+        return f"state.json says step {state['step']}, not the folder's"
+    return None
+
+
+def _read_manifest(path: Path) -> tuple[dict | None, str | None]:
+    """(manifest, None), (None, None) when there is none, or (None, why it is unusable)."""
+    mf = path / MANIFEST
+    if not mf.exists():
+        return None, None
+    try:
+        manifest = json.loads(mf.read_text())
+        for name, entry in manifest["files"].items():
+            int(entry["bytes"]), list(entry["crc32"])
+            if Path(name).name != name:
+                return None, f"{MANIFEST} lists {name!r}, not a file of this folder"
+        if int(manifest["chunk_bytes"]) != CHUNK:
+            return None, f"{MANIFEST} uses {manifest['chunk_bytes']}-byte chunks, not {CHUNK}"
+        return manifest, None
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+
+
+def _check_sizes(path: Path, manifest: dict) -> str | None:
+    for name, entry in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != int(entry["bytes"]):
+            return (f"{name} has {f.stat().st_size:,} bytes where the manifest lists "
+                    f"{int(entry['bytes']):,}: cut short or overwritten")
+    return None
+
+
+def _check_crcs(path: Path, manifest: dict) -> str | None:
+    files = manifest["files"]
+    found = _chunk_crcs([path / name for name in files])
+    for name, entry in files.items():
+        want = list(entry["crc32"])
+        for i, (got, exp) in enumerate(zip(found[name], want)):
+            if got != exp:
+                return (f"{name} does not match its checksum in bytes "
+                        f"{i * CHUNK:,}..{min((i + 1) * CHUNK, int(entry['bytes'])):,}")
+        if len(want) != len(found[name]):
+            return f"{name} has {len(found[name])} chunks, the manifest {len(want)} checksums"
+    return None
+
+
+def _check_legacy(path: Path) -> str | None:
+    """A checkpoint without a manifest: no empty file, and the pickles load (optimizer.pt
+    memory-mapped, so its tensors are not read)."""
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.stat().st_size == 0:
+            return f"{f.name} is empty"
+    for name, mmap in (("optimizer.pt", True), ("rng.pt", False)):
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        try:
+            torch.load(path / name, map_location="cpu", weights_only=True, mmap=mmap)
+        except Exception as e:
+            return f"{name} cannot be loaded ({type(e).__name__}: {e})"
+    return None
+
+
+def _check_weights(path: Path) -> str | None:
+    """Every tensor the model built from the checkpoint's config.json needs, with its shape,
+    in the safetensors headers (read without the tensors)."""
+    from safetensors import safe_open
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        with torch.device("meta"):
+            model = Llama(hf.llama_config_from_hf(raw, "config.json"))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"config.json is unusable ({type(e).__name__}: {e})"
+    index = path / "model.safetensors.index.json"
+    try:
+        files = hf.weight_files(path) if index.is_file() else sorted(path.glob("*.safetensors"))
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index.name} is unusable ({type(e).__name__}: {e})"
+    if not files:
+        return "model.safetensors is missing"
+    tied = getattr(model.config, "tie_embeddings", False)
+    need = {hf.to_hf_name(n): tuple(t.shape) for n, t in model.state_dict().items()
+            if not (tied and n == "lm_head.weight")}
+    for f in files:
+        if not f.is_file():
+            return f"{f.name} is missing"
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if name in need:
+                        shape = tuple(fh.get_slice(name).get_shape())
+                        if shape != need[name]:
+                            return (f"{f.name}: tensor {name} has shape {shape}, config.json "
+                                    f"makes {need[name]}")
+                        need.pop(name)
+        except Exception as e:  # safetensors raises its own SafetensorError
+            return f"{f.name} has an unreadable header ({type(e).__name__}: {e})"
+    if need:
+        names = sorted(need)
+        where = files[0].name if len(files) == 1 else f"the {len(files)} weight shards"
+        return f"{where} lack{'s' if len(files) == 1 else ''} tensor {', '.join(names[:4])}" + (
+            f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return None
 
 
 # ---------------------------------------------------------------------------------- load
@@ -163,12 +418,22 @@ def read_state(path: Path) -> dict:
 
 def load_checkpoint(path: Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, rng: bool = True) -> dict:
-    """Load weights (and optimizer state, RNG) from a checkpoint folder; return state.json."""
+    """Load weights (and optimizer state, RNG) from a checkpoint folder; return state.json.
+
+    Raises RefusedError naming the folder (and, for weights, the tensor) when a file does
+    not load: `--resume` verified it before, so this means it changed since or is of
+    another kind of run.
+    """
     path = Path(path)
-    hf.load_weights(model, hf.weight_files(path))
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
-                                             weights_only=True))
-    if rng:
-        restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
-    return read_state(path)
+    try:
+        hf.load_weights(model, hf.weight_files(path))
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
+                                                 weights_only=True))
+        if rng:
+            restore_rng(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
+        return read_state(path)
+    except (RefusedError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as e:  # safetensors, zip and pickle errors have no common base
+        raise RefusedError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e})") from None

@@ -57,6 +57,9 @@ def describe(path: str | Path | None) -> DataSource:
         raise RefusedError(f"--data {path}: no such file or folder; pass a text file, a folder of "
                            f".txt, a .jsonl, a .bin/.npy of token ids, or omit --data for the "
                            f"shipped corpus")
+    if p.stat().st_size == 0:
+        raise RefusedError(f"--data {path}: the file is empty; pass a file with training text "
+                           f"or token ids, or omit --data for the shipped corpus")
     kind = {".jsonl": "jsonl", ".bin": "bin", ".npy": "npy"}.get(p.suffix.lower(), "text")
     return DataSource(kind, p, [p], p.stat().st_size)
 

@@ -200,10 +200,7 @@ def resolve_config(given: dict) -> tuple[TrainConfig, Path | None]:
         raise RefusedError("--resume and --overwrite conflict: --resume continues the run in "
                            "--out, --overwrite starts it over; pass one")
     if given.get("resume"):
-        ckpt = checkpoint.latest_checkpoint(out)
-        if ckpt is None:
-            raise RefusedError(f"--resume: no complete checkpoint in {out / checkpoint.SUBDIR}; "
-                               f"pass the --out of an earlier run, or drop --resume to start anew")
+        ckpt = _resume_checkpoint(out)
         saved = checkpoint.read_state(ckpt)["config"]
         for key in IDENTITY:
             if key in given and given[key] != saved.get(key):
@@ -218,6 +215,23 @@ def resolve_config(given: dict) -> tuple[TrainConfig, Path | None]:
     cfg.out = str(out)
     _validate(cfg)
     return cfg, ckpt
+
+
+def _resume_checkpoint(out: Path) -> Path:
+    """The newest intact checkpoint, after saying which newer ones are damaged and why.
+    Nothing is deleted: a damaged folder stays for inspection (set aside, not removed, when
+    its step is saved again)."""
+    ckpt, damaged = checkpoint.latest_intact_checkpoint(out)
+    if ckpt is None and not damaged:
+        raise RefusedError(f"--resume: no complete checkpoint in {out / checkpoint.SUBDIR}; "
+                           f"pass the --out of an earlier run, or drop --resume to start anew")
+    if ckpt is None:
+        raise RefusedError("--resume: every checkpoint is damaged: " + "; ".join(
+            f"{d} ({why})" for d, why in damaged) + "; nothing was deleted: restore one from a "
+            "copy, or pass --overwrite to start over")
+    for d, why in damaged:
+        _say(f"checkpoint {d} is damaged ({why}); resuming from {ckpt}")
+    return ckpt
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -340,12 +354,16 @@ def _shutdown(dinfo) -> None:
 
 def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_bytes) -> dict:
     out = Path(cfg.out)
+    _need(not out.exists() or out.is_dir(),
+          f"--out {out}: is a file, not a folder; give a folder for the run (it is created "
+          f"if missing), e.g. --out {out.with_suffix('')}-run")
     # A run is what left a checkpoint or a step's row: a first run refused or stopped before
     # its first step (an empty metrics.jsonl) does not block its corrected rerun.
     if not cfg.resume and not cfg.overwrite and (
             checkpoint.list_checkpoints(out) or metrics.read_metrics(out)):
-        raise RefusedError(f"--out {out}: already holds a run; pass --resume to continue it, "
-                           f"--overwrite to start over there, or another --out")
+        held = f" ({checkpoint.resume_note(out)})" if checkpoint.list_checkpoints(out) else ""
+        raise RefusedError(f"--out {out}: already holds a run{held}; pass --resume to continue "
+                           f"it, --overwrite to start over there, or another --out")
     lcfg, hf_base, init_files = _model_spec(cfg, ckpt)
     _need(cfg.seq <= lcfg.max_seq, f"--seq {cfg.seq}: longer than the model's max_seq "
                                    f"{lcfg.max_seq}; use --seq {lcfg.max_seq} or less")
@@ -387,6 +405,9 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         out.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial(out)
     tokens = data.load_tokens(src, tok, lcfg.vocab_size, cfg.data_dtype)
+    _need(len(tokens) > cfg.seq,
+          f"--data {src.path}: {len(tokens)} tokens, too few for one sequence of --seq "
+          f"{cfg.seq} (needs {cfg.seq + 1}); use a smaller --seq or more data")
     loader = data.TokenLoader(tokens, cfg.seq, micro_batch, cfg.seed,
                               rank=dinfo.rank, world=dinfo.world_size)
 
@@ -424,7 +445,7 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
             if not dinfo.is_main:
                 return None
         return checkpoint.save_checkpoint(out, step, model, saved_opt, state, hf_config,
-                                          tok.files(), keep=cfg.keep)
+                                          tok.files(), keep=cfg.keep, say=_say)
 
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     if end <= start:
@@ -504,11 +525,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
             if cfg.save_every and step % cfg.save_every == 0 and step != end:
                 last_ckpt = save(step)
     except KeyboardInterrupt:  # a second signal: stop now, keep the last complete checkpoint
-        kept = checkpoint.latest_checkpoint(out)
         raise interrupts.TrainingInterrupted(
-            "stopped at once on a second signal; " + (
-                f"--resume continues from step {checkpoint.read_state(kept)['step'] + 1} ({kept})"
-                if kept is not None else "no checkpoint was complete: nothing to resume")) from None
+            "stopped at once on a second signal; " + checkpoint.resume_note(out)) from None
     finally:
         stop.__exit__()
         writer.close()

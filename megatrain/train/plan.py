@@ -87,7 +87,7 @@ class MemoryPlan:
         lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.host.items()]
         lines.append(f"    {'total host':<{w}}{fmt_bytes(self.host_total):>12}")
         budget = fmt_bytes(c.gpu_memory) if c.gpu_memory else "the free device memory"
-        if c.compile == "megatrain" and not c.device.startswith("cpu"):
+        if c.compile == "megatrain":
             lines.append(f"  device ({c.device}): the planner fits the step into {budget}; "
                          f"its plan is printed after the first step")
         else:
@@ -95,8 +95,8 @@ class MemoryPlan:
             lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.device.items()]
             lines.append(f"    {'total device':<{w}}{fmt_bytes(self.device_total):>12}")
         if self.host_needed != self.host_total:
-            lines.append(f"  host RAM needed (the device pool is host RAM too): "
-                         f"{fmt_bytes(self.host_needed)}")
+            lines.append(f"  host RAM needed (the device's bytes are host RAM too, "
+                         f"{fmt_bytes(self.device_total)} estimated): {fmt_bytes(self.host_needed)}")
         if available is not None:
             lines.append(f"  host RAM available now: {fmt_bytes(available)}"
                          f" -> {'fits' if self.host_needed <= available else 'DOES NOT FIT'}")

@@ -92,6 +92,25 @@ def test_tokenizers_package_missing_is_explained(tmp_path, capsys):
     assert "tokenizers" in err and "--tokenizer bytes" in err
 
 
+def test_data_and_out_refusals_name_the_path_before_any_work(tmp_path, capsys):
+    """An empty data file, a corpus too short for one sequence, and --out naming a file:
+    each refused with exit 2, naming the path and the fix, and nothing left behind."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("a few words")
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    for args, needle in ((["--data", str(empty)], f"--data {empty}: the file is empty"),
+                         (["--data", str(short)], f"--data {short}: 11 tokens, too few"),
+                         (["--out", str(afile)], f"--out {afile}: is a file, not a folder")):
+        out = tmp_path / "run"
+        err = _refused(capsys, "--steps", "2", "--out", str(out), *args)
+        assert needle in err and "Traceback" not in err, err
+        assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+    assert afile.read_text() == "not a folder"
+
+
 def test_parse_bytes():
     assert plan.parse_bytes("16GiB") == 16 << 30
     assert plan.parse_bytes("80GB") == 80 * 10**9

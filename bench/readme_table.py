@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "bench"), str(REPO)]
 
+from hf_models import MODELS as HF_MODELS  # noqa: E402  (bench/hf_train.py's models)
+from hf_models import layers as hf_layers  # noqa: E402
 from train import MODELS, SYSTEMS  # noqa: E402  (train imports torch lazily)
 
 GIB = 2**30
@@ -49,6 +51,8 @@ def run_key(row: dict):
 
 
 def preset_layers(model: str) -> int:
+    if model in HF_MODELS:  # a Hugging Face model of bench/hf_train.py
+        return hf_layers(model)
     from megatrain.models import PRESETS
 
     return PRESETS[MODELS[model]].layers
@@ -116,11 +120,16 @@ def _fmt(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def performance_table(rows: list[dict], model: str | None = None, variants: bool = False) -> str:
+def performance_table(rows: list[dict], model: str | None = None, variants: bool = False,
+                      family: str | None = None) -> str:
     """The README table (module docstring); with `variants`, the latest row of every
-    system or variant too."""
+    system or variant too. Rows of bench/hf_train.py carry the model's `family` (llama,
+    qwen2, ...): where any shown row has one, a family column follows the model's;
+    `family` keeps that family's rows only."""
     if model:
         rows = [r for r in rows if r.get("model") == model]
+    if family:
+        rows = [r for r in rows if r.get("family") == family]
     compiled_rows = [r for r in rows if r["system"] == "resident-compiled" and "step_s" in r]
     if not variants:
         rows = [r for r in rows if not forced(r)]
@@ -130,16 +139,18 @@ def performance_table(rows: list[dict], model: str | None = None, variants: bool
         rows = [r for r in rows if (r["model"], layers(r), r.get("tokens_per_step"), r.get("commit")) in shown]
     chosen = latest(rows, lambda r: (r["model"], layers(r), r.get("tokens_per_step"), label(r), budget(r)))
     rank = lambda name, names: names.index(name) if name in names else len(names)  # noqa: E731
-    order = sorted(chosen.values(), key=lambda r: (rank(r["model"], list(MODELS)), layers(r),
+    order = sorted(chosen.values(), key=lambda r: (rank(r["model"], list(MODELS) + list(HF_MODELS)), layers(r),
                                                    r.get("tokens_per_step") or 0, rank(r["system"], SYSTEMS),
                                                    label(r), budget(r) or ""))
-    out = ["| system | model | tokens/step | tok/s | TFLOP/s | MFU | vs resident-compiled "
-           "| peak GPU GiB | host RSS GiB | GPU |", "| --- " * 10 + "|"]
+    families = any(r.get("family") for r in order)
+    out = ["| system | model " + ("| family " if families else "") + "| tokens/step | tok/s | TFLOP/s | MFU "
+           "| vs resident-compiled | peak GPU GiB | host RSS GiB | GPU |", "| --- " * (11 if families else 10) + "|"]
     notes, runs = [], {}
     for r in order:
         system = label(r) + (f" ({budget(r)})" if budget(r) else "")
         name = r["model"] + ("" if layers(r) == preset_layers(r["model"]) else f" ({layers(r)} layers)")
-        head = f"| {system} | {name} | {r.get('tokens_per_step', '-')} "
+        head = f"| {system} | {name} " + (f"| {r.get('family') or '-'} " if families else "") \
+            + f"| {r.get('tokens_per_step', '-')} "
         if "error" in r:
             notes.append(f"{len(notes) + 1}. {label(r)}, {name}, {r.get('tokens_per_step')} tokens "
                          f"({r.get('time', '?')}): {r['error']}")
@@ -198,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--file", default=str(REPO / "bench/results/train.jsonl"))
     p.add_argument("--gpu", default=None, help="only rows whose GPU name contains this")
     p.add_argument("--model", default=None)
+    p.add_argument("--family", default=None, help="only rows of this model family (bench/hf_train.py's)")
     p.add_argument("--variants", action="store_true",
                    help="forced configurations and old rows too, not only megatrain's defaults")
     p.add_argument("--depth", action="store_true", help="the depth-sweep table instead")
@@ -209,7 +221,7 @@ def main(argv=None) -> int:
     if args.depth:
         print(depth_table(rows, args.model or "1.3b", args.tokens, args.system, args.gpu_memory))
     else:
-        print(performance_table(rows, args.model, args.variants))
+        print(performance_table(rows, args.model, args.variants, args.family))
     return 0
 
 

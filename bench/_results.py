@@ -1,7 +1,7 @@
 """Shared tail of the bench scripts: run metadata and appending result rows to a jsonl file.
 
-Every row a benchmark records carries where and on what it ran (DESIGN.md section 5:
-GPU, commit, versions), so rows from different machines and commits can share one file.
+Every row a benchmark records carries where and on what it ran (GPU, commit, versions),
+so rows from different machines and commits can share one file.
 """
 
 from __future__ import annotations

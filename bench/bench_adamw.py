@@ -1,7 +1,7 @@
 """Benchmark megatrain's host AdamW step against torch's fused CPU AdamW at the same threads.
 
 Why: the host optimizer sets the step-time floor once transfers and compute overlap
-(DESIGN.md section 4: ~34 B/param of host memory traffic per step), so megatrain.AdamW must
+(~34 B/param of host memory traffic per step), so megatrain.AdamW must
 run at least at 90% of torch.optim.AdamW(fused=True) on the CPU, and hold 12 B/param.
 
 Paths timed (one full optimizer step over all parameters; median over repeats, interleaved

@@ -5,7 +5,7 @@ row's memory-at-peak tables. Reads rows only: the same rows bench/readme_table.p
 
 from __future__ import annotations
 
-HOST_BYTES_PER_PARAM = 34  # DESIGN.md / issue 6: fp32 master+m+v read+write, bf16 w and g
+HOST_BYTES_PER_PARAM = 34  # fp32 master+m+v read+write, bf16 weight and gradient copies
 
 
 def _bound(row: dict, probe: dict, compiled_step: float | None) -> dict:

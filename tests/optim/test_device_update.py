@@ -514,7 +514,7 @@ LAYER = 100_000_000  # a 3B model's layer
 
 
 def test_update_site_on_the_h200_box():
-    """DESIGN.md's numbers: one region with its own fp32 weight fetch in the phase is a
+    """A fast host's numbers: one region with its own fp32 weight fetch in the phase is a
     toss-up (device at 106 GB/s of host AdamW, host at 125 GB/s); balanced over a 3B
     model's backward most regions go to the device, and the phase ends 12-15% sooner."""
     fetch = du.PhaseLoad.streaming(LAYER)

@@ -508,7 +508,7 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                    "device_peak_bytes": metrics.device_peak_bytes(cfg.device, step_fn)}
             writer.write(row)
             if step == start + 1 and cfg.compile == "megatrain":
-                note, predicted_s = plan.plan_summary(step_fn)
+                note, predicted_s = plan.plan_summary(step_fn, cfg.device)
                 (bar.write if bar is not None else _say)(note)
             if bar is not None:
                 bar.update(1)

@@ -1,6 +1,8 @@
 """The memory plan's numbers follow from the parameter count: 12 B/param of fp32 master and
 AdamW moments on the host, plus what the run's options add."""
 
+import random
+
 import pytest
 import torch
 
@@ -49,3 +51,20 @@ def test_model_flops_per_token():
     cfg = PRESETS["tiny"]
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert model_flops_per_token(model, 256) == 6 * linear + 12 * cfg.layers * cfg.hidden * 256
+
+
+def test_plan_summary_predicts_the_step_where_the_cost_model_holds(monkeypatch):
+    """On a GPU the line carries the backend's predicted step, which the run's last line is
+    measured against; on the CPU device only the planned peak (no uncalibrated guess)."""
+    import types
+
+    import megatrain
+    from megatrain.train.plan import plan_summary
+
+    step_s, peak = random.uniform(0.01, 2.0), random.randint(1 << 20, 1 << 34)
+    info = types.SimpleNamespace(predicted_step_s=step_s, predicted_peak_bytes=peak)
+    monkeypatch.setattr(megatrain, "explain", lambda fn: info)
+    line, predicted = plan_summary(object(), "cuda")
+    assert predicted == step_s and "predicted step" in line and "planned peak device" in line
+    line, predicted = plan_summary(object(), "cpu")
+    assert predicted is None and "predicted step" not in line and "planned peak device" in line

@@ -116,9 +116,9 @@ def test_resume_is_bit_exact_with_the_megatrain_backend(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
     p = run_module(*common, "--out", str(b), "--resume", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    # one step prediction, the backend's plan, and the run's steps measured against it
-    assert re.search(r"plan: predicted step [0-9.]+ m?s, planned peak device", p.stderr)
-    assert re.search(r"done: .* step [0-9.]+ m?s \(plan: [0-9.]+ m?s\)", p.stderr)
+    # the backend's plan, once; on the CPU device without a step prediction (plan_summary)
+    assert re.search(r"plan: planned peak device [0-9.]+ [KMG]iB", p.stderr)
+    assert "predicted step" not in p.stderr and re.search(r"done: .* step [0-9.]+ m?s; checkpoint", p.stderr)
     assert [x["loss"] for x in rows(a)] == [x["loss"] for x in rows(b)]
     wa = _weights(checkpoint.latest_checkpoint(a))
     wb = _weights(checkpoint.latest_checkpoint(b))

@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from ..runtime.kernel_probe import KernelShape
+
 FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
 
 
@@ -70,6 +72,49 @@ def _attention_flops(t, args):
     q, k = tensors[0], tensors[1]
     b, h, length, e = q.shape
     return (8 if "backward" in name else 4) * b * h * length * k.shape[-2] * e
+
+
+_PRODUCTS = {"mm": ("mm", 0), "addmm": ("mm", 1), "bmm": ("bmm", 0)}
+
+
+def kernel_shape(n: fx.Node) -> KernelShape | None:
+    """What to time for a product or attention node at its shapes (runtime/kernel_probe.py),
+    None for every other node and for shapes not known as numbers (symbolic dims)."""
+    t = n.target
+    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return None
+    name = t.overloadpacket.__name__
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in n.args]
+    try:
+        if name in _PRODUCTS:
+            kind, first = _PRODUCTS[name]
+            a, b = vals[first], vals[first + 1]
+            return KernelShape(kind, (_ints(a.shape), _ints(b.shape)), _dtype(a),
+                               (_transposed(a), _transposed(b)))
+        if "scaled_dot_product" in name:
+            backward = name.endswith("_backward")
+            q, k = (vals[1], vals[2]) if backward else (vals[0], vals[1])
+            args = dict(zip((arg.name for arg in t._schema.arguments), vals))
+            causal = bool({**args, **n.kwargs}.get("is_causal", False))
+            return KernelShape("sdpa", (_ints(q.shape), _ints(k.shape)), _dtype(q), (causal,), backward)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None  # arguments this reading does not know: charged at the probe's rate
+    return None
+
+
+def _ints(shape) -> tuple[int, ...]:
+    if not all(isinstance(d, int) for d in shape):
+        raise TypeError("a symbolic dim: not timed (reading its hint would add a guard)")
+    return tuple(shape)
+
+
+def _dtype(x: torch.Tensor) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _transposed(x: torch.Tensor) -> bool:
+    """Whether the last two dims are swapped in memory (a t() view of a weight)."""
+    return x.dim() >= 2 and x.stride(-2) == 1 and x.stride(-1) != 1
 
 
 def _fused_loss_flops(n: fx.Node):

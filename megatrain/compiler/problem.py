@@ -19,7 +19,8 @@
                  Inductor with buffer reuse off, a step's peak exceeded the walk's by
                  less than its largest transient; on the CPU, Inductor's C++ kernels stay
                  within the walk: test_memory_contract)
-    flops        matmul/attention FLOPs (torch's flop formulas); backward minus forward
+    flops        matmul/attention FLOPs (torch's flop formulas), each node's at the probe's
+                 matmul rate where its own shape was timed (flop_scale); backward minus forward
     traffic      device memory bytes of the memory-bound kernels (op_costs.py); backward
                  minus forward
     inputs       the activation DAG: unit A reads an output of unit B in the forward
@@ -72,9 +73,11 @@ class StepProblem:
 
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
-                  device: torch.device, dtype: torch.dtype, fused: bool = False) -> StepProblem:
+                  device: torch.device, dtype: torch.dtype, fused: bool = False,
+                  flop_scale: dict | None = None) -> StepProblem:
     """`bw=None` describes a forward-only (inference) graph; `fused`: the graphs run as
-    Inductor compiles them (fused kernels), not node by node."""
+    Inductor compiles them (fused kernels), not node by node; `flop_scale`: per node, what
+    turns its FLOPs into FLOPs at the probe's matmul rate (compiler/rates.py)."""
     graphs = [_Graph(fw.graph)] + ([_Graph(bw.graph)] if bw is not None else [])
     unit_of, merges = _units(graphs)
     for g in graphs:
@@ -91,7 +94,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
                        + [n for n in saved if n not in f.owner])
     work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused)
-    flops_fw, traffic_fw = f.flops(sizes), f.traffic(sizes)
+    flops_fw, traffic_fw = f.flops(sizes, flop_scale), f.traffic(sizes)
     weights, fetched = _weights(graphs, params, dtype)
     work_bw, flops_bw, traffic_bw, bw_order, bw_fetched = {}, {}, {}, None, {}
     if bw is not None:
@@ -113,7 +116,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
             for i in [i for i in inputs.get(u, ()) if pos[i] < pos[u]]:
                 inputs[u].discard(i)
                 work_bw[u] = work_bw.get(u, 0) + out_bytes[i]
-        flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes).items()}
+        flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes, flop_scale).items()}
         traffic_bw = {u: sympy.Max(v - traffic_fw.get(u, 0), 0) for u, v in b.traffic(sizes).items()}
         bw_fetched = fetched[1]
     regions = []
@@ -367,12 +370,14 @@ class _Graph:
     def traffic(self, sizes: "_Sizes") -> dict[int, object]:
         return _traffic(self.nodes, self.owner, sizes.device, sizes.expr)
 
-    def flops(self, sizes: "_Sizes") -> dict[int, object]:
+    def flops(self, sizes: "_Sizes", scale: dict | None = None) -> dict[int, object]:
+        """Per unit, FLOPs at the probe's matmul rate: each node's FLOPs times its `scale`
+        (that rate over the one its own shape reaches, where measured)."""
         out: dict[int, object] = {}
         for n, u in self.owner.items():
             f = _flops(n)
             if f:
-                out[u] = out.get(u, 0) + sizes.expr(f)
+                out[u] = out.get(u, 0) + sizes.expr(f) * (scale or {}).get(n, 1)
         return out
 
 

@@ -10,13 +10,15 @@ every plan after reads the cache. Without one (probing turned off) the defaults 
 from __future__ import annotations
 
 import json
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import config
-from ..runtime import probe
+from ..runtime import kernel_probe, probe
 from ..plan.costs import CPU, GPU_DEFAULT, Rates
+from . import op_costs
 
 
 def cached_rates(device: torch.device) -> Rates | None:
@@ -45,3 +47,34 @@ def compile_rates(device: torch.device) -> Rates:
     if rates is not None:
         return rates
     return GPU_DEFAULT if torch.device(device).type == "cuda" else CPU
+
+
+def kernel_flop_scales(graphs, device: torch.device, rates: Rates) -> dict:
+    """Per product and attention node of `graphs` (FX graphs), the factor that turns its
+    FLOPs into FLOPs at the probe's matmul rate: that rate over the one its own shape
+    reaches here (runtime/kernel_probe.py, measured once per machine and shape). Empty
+    with probing off (`config.probe_rates`): every node is charged at the probe's rate."""
+    if not config.probe_rates:
+        return {}
+    shapes, flops = {}, {}
+    for g in graphs:
+        for n in g.nodes:
+            s = op_costs.kernel_shape(n)
+            f = op_costs.flops(n) if s is not None else 0
+            if s is not None and isinstance(f, int) and f > 0:
+                shapes[n] = s
+                flops[s] = f
+    if not shapes:
+        return {}
+    try:
+        with unset_fake_temporarily(), torch.enable_grad():
+            measured = kernel_probe.measured_rates(torch.device(device), list(flops), flops,
+                                                   rates.flops)
+    except Exception as e:  # timing sharpens a prediction; it must never stop a compile
+        warnings.warn(f"megatrain: timing the graph's products failed ({type(e).__name__}: {e}); "
+                      f"the cost model charges them at the probe's matmul rate", stacklevel=2)
+        return {}
+    finally:
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return {n: rates.flops / measured[s] for n, s in shapes.items() if s in measured}

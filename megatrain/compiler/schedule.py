@@ -26,7 +26,7 @@ from ..plan.search import Plan, PlannerOptions, plan_step
 from ..plan.validate import validate
 from .merges import joined_streaming
 from .problem import build_problem
-from .rates import compile_rates
+from .rates import compile_rates, kernel_flop_scales
 
 
 @dataclass
@@ -55,11 +55,12 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
     `keep_weights`: regions may keep their forward weights for their backward;
     `region_names` and `param_names` name graph regions and parameters in what it says."""
-    sp = build_problem(fw, bw, params, device, dtype, fused)
+    rates = compile_rates(device)
+    scale = kernel_flop_scales([fw.graph] + ([bw.graph] if bw is not None else []), device, rates)
+    sp = build_problem(fw, bw, params, device, dtype, fused, scale)
     joined = joined_streaming(sp, region_names or {}, param_names)
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)
-    rates = compile_rates(device)
     with noting(joined):
         plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
                          options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None,

@@ -1,0 +1,98 @@
+"""The graph's own products and attention, timed at their shapes: which nodes are read as
+what (shapes, dtype, transposed operands, causal attention and its backward), that every
+shape is timed once per machine and then read from the cache, and that the cost model
+charges a node its FLOPs at its own rate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from megatrain.compiler import op_costs
+from megatrain.runtime import kernel_probe
+
+
+def _graph(t, h, e, heads, seq):
+    def step(x, w, q, k, v):
+        y = torch.mm(x, w.t())
+        z = torch.addmm(y[0], x, w.t())
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y, z, a
+
+    args = (torch.randn(t, h), torch.randn(e, h), *(torch.randn(2, heads, seq, 8) for _ in range(3)))
+    return make_fx(step, tracing_mode="fake")(*args).graph
+
+
+def test_products_and_attention_are_read_with_their_layouts():
+    rng = random.Random()
+    t, h, e, heads, seq = (rng.randint(3, 40) for _ in range(5))
+    shapes = [s for s in map(op_costs.kernel_shape, _graph(t, h, e, heads, seq).nodes) if s]
+    mm = [s for s in shapes if s.kind == "mm"]
+    assert [s.shapes for s in mm] == [((t, h), (h, e))] * 2
+    assert all(s.flags == (False, True) and s.dtype == "float32" for s in mm)  # x @ w.t()
+    (attn,) = [s for s in shapes if s.kind == "sdpa"]
+    assert attn.shapes == ((2, heads, seq, 8),) * 2 and attn.flags == (True,) and not attn.backward
+
+
+def test_a_slice_of_a_large_product_times_like_the_whole():
+    """Rows cut to keep a timing short are scaled back: the estimate stays within a factor
+    of the whole product's time (noise on a shared CPU allows no closer bound)."""
+    s = kernel_probe.KernelShape("mm", ((2048, 256), (256, 256)), "float32", (False, False))
+    whole = min(kernel_probe._time(torch.device("cpu"), s) for _ in range(3))
+    sliced = min(kernel_probe._time(torch.device("cpu"), s, shrink=8) for _ in range(3))
+    assert whole / 3 < sliced < whole * 3
+
+
+def test_each_shape_is_timed_once_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    m, k, n = (random.randint(16, 96) for _ in range(3))
+    mm = kernel_probe.KernelShape("mm", ((m, k), (k, n)), "float32", (False, True))
+    attn = kernel_probe.KernelShape("sdpa", ((1, 2, 32, 8), (1, 2, 32, 8)), "float32", (True,))
+    back = kernel_probe.KernelShape("sdpa", ((1, 2, 32, 8), (1, 2, 32, 8)), "float32", (True,), True)
+    flops = {mm: 2 * m * k * n, attn: 4 * 2 * 32 * 32 * 8, back: 8 * 2 * 32 * 32 * 8}
+    rates = kernel_probe.measured_rates(torch.device("cpu"), [mm, attn, back], flops, 1e11)
+    assert set(rates) <= {mm, attn, back} and mm in rates and attn in rates
+    assert all(0 < r < float("inf") for r in rates.values())
+
+    def no_timing(*a):
+        raise AssertionError("timed again despite the cache")
+
+    monkeypatch.setattr(kernel_probe, "_time", no_timing)
+    assert kernel_probe.measured_rates(torch.device("cpu"), [mm, attn, back], flops, 1e11) == rates
+
+
+def test_a_node_is_charged_at_its_own_rate(tmp_path, monkeypatch):
+    """The compile's problem carries each region's FLOPs at the probe's matmul rate: a
+    product measured at half that rate counts twice its FLOPs."""
+    import megatrain
+    from megatrain.compiler import rates as rates_mod
+    from megatrain.runtime import probe
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe.ProbeSizes, "for_device", classmethod(
+        lambda cls, d: probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 14, repeats=1)))
+    half = {}
+
+    def half_rate(device, shapes, flops, probe_flops):
+        base = rates_mod.cached_rates(device).flops
+        half.update({s: base / 2 for s in shapes})
+        return dict(half)
+
+    monkeypatch.setattr(kernel_probe, "measured_rates", half_rate)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    x = torch.randn(16, 32)
+    plans = {}
+    for probing in (False, True):
+        torch._dynamo.reset()
+        with megatrain.config.patch(probe_rates=probing, lowering="eager"):
+            rates_mod.measure_once(torch.device("cpu")) if not probing else None
+            torch.compile(model, backend="megatrain", options={"device": "cpu"})(x).sum().backward()
+        plans[probing] = megatrain.explain().graphs[0].schedule.plan.schedule.problem
+    assert half, "no product was timed"
+    plain = sum(r.flops_fw for r in plans[False].regions)
+    timed = sum(r.flops_fw for r in plans[True].regions)
+    assert plain > 0 and timed == pytest.approx(2 * plain, rel=1e-6)

@@ -160,7 +160,9 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     owner = megatrain.AdamW(net.parameters()) if updates else None
     step = torch.compile(net, backend="megatrain",
                          options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory})
-    forced = {"lowering": "inductor", "keep_weights": keep_weights,
+    # probe_rates off: this machine's kernels say nothing of the GPU the plan is for (a
+    # GPU row's own kernel rates are not recorded, so its products go at its matmul rate)
+    forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
               **({"kernels": kernels.split(",")} if kernels else {}), **({"updates": updates} if updates else {})}
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
     with _stop_after_planning(sites=bool(updates), rates=rates), megatrain.config.patch(**forced):

@@ -68,8 +68,13 @@ def host_rss_bytes() -> int:
 
 
 def device_peak_bytes(device: str, step_fn=None) -> int | None:
-    """Peak device bytes: megatrain's own measure for a compiled step (its device pool, also
-    when the device is the CPU), else the CUDA allocator's peak."""
+    """Peak device bytes of a CUDA run: megatrain's own measure for a compiled step (the
+    allocator's peak over its step), else the CUDA allocator's peak. None on the CPU device:
+    its bytes are host memory, in `host_rss_bytes`; megatrain's pool there holds only the
+    weight buffers, and a figure that leaves out the activations would not mean what the
+    column says."""
+    if not device.startswith("cuda"):
+        return None
     if hasattr(step_fn, "_orig_mod"):       # a torch.compile'd module
         try:
             import megatrain

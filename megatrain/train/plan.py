@@ -97,8 +97,8 @@ class MemoryPlan:
             lines += [f"    {k:<{w}}{fmt_bytes(v):>12}" for k, v in self.device.items()]
             lines.append(f"    {'total device':<{w}}{fmt_bytes(self.device_total):>12}")
         if self.host_needed != self.host_total:
-            lines.append(f"  host RAM needed (the device's bytes are host RAM too, "
-                         f"{fmt_bytes(self.device_total)} estimated): {fmt_bytes(self.host_needed)}")
+            lines.append(f"  host RAM needed with the device's, which is host RAM too: "
+                         f"{fmt_bytes(self.host_needed)}")
         if available is not None:
             lines.append(f"  host RAM available now: {fmt_bytes(available)}"
                          f" -> {'fits' if self.host_needed <= available else 'DOES NOT FIT'}")

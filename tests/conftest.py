@@ -4,17 +4,18 @@ import tempfile
 import pytest
 import torch
 
-import megatrain
+# Triton kernels run on the CPU through the interpreter in the default (CPU) run. Set
+# before megatrain is imported: triton reads it when a kernel is decorated.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import megatrain  # noqa: E402
 
 # Plans in tests use the default rates, never a probe of the machine that runs them
 # (megatrain.config.probe_rates) nor a cache a user's runs left: the cache folder is empty
 # and private to the test session (test_probe.py measures into its own on purpose).
 megatrain.config.probe_rates = False
 os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
-
-# Triton kernels run on the CPU through the interpreter in the default (CPU) run.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,9 +1,10 @@
 """`torch.compile(model, backend="megatrain")`: the pipeline, stage by stage.
 
-    options -> capture (re-home onto the device, fetch per region) -> AOTAutograd with
-    Inductor's joint-graph passes and the region-checkpointing partition -> the planner's
-    schedule of the graph pair (device budget proven, validated) -> its FX transfer nodes
-    -> lowering (Inductor) -> runtime.
+    options -> capture (re-home onto the device, fetch per region; a cast to a weight's
+    host dtype that no op reconciles with the compute-dtype weight targets the compute
+    dtype: weight_casts.py) -> AOTAutograd with Inductor's joint-graph passes and the
+    region-checkpointing partition -> the planner's schedule of the graph pair (device
+    budget proven, validated) -> its FX transfer nodes -> lowering (Inductor) -> runtime.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .passes import gradient_handoffs, insert_transfers
 from .plan import GraphPlan
 from ..plan.search import InfeasibleBudget
 from .schedule import schedule_step
+from .weight_casts import retarget_weight_casts
 
 _seen_breaks: collections.Counter = collections.Counter()  # break reason -> count warned of
 
@@ -244,6 +246,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         applied = tuple(name for name, n in counts.items() if n)
     piece = _split_by_a_break(gm)
     cap = rehome(gm, example_inputs, opts.device, sid)
+    retarget_weight_casts(cap.gm, cap.params, opts.compute_dtype, cap.regions.of_node)
     streamer.region_names = {r.id: r.name for r in cap.regions.regions}
     no_layers = _without_layers(cap)
     _warn_without_layers(cap, no_layers, piece)

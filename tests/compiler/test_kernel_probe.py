@@ -96,3 +96,26 @@ def test_a_node_is_charged_at_its_own_rate(tmp_path, monkeypatch):
     plain = sum(r.flops_fw for r in plans[False].regions)
     timed = sum(r.flops_fw for r in plans[True].regions)
     assert plain > 0 and timed == pytest.approx(2 * plain, rel=1e-6)
+
+
+def test_timing_runs_inside_a_real_compile(tmp_path, monkeypatch):
+    """Unpatched: the compile times its products on the device from inside the partition
+    (outside the trace's fake mode), caches them, and plans with them."""
+    import json
+
+    import megatrain
+    from megatrain.runtime import probe
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(probe.ProbeSizes, "for_device", classmethod(
+        lambda cls, d: probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 14, repeats=1)))
+    width = random.randint(16, 48)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
+    with megatrain.config.patch(probe_rates=True, lowering="eager"):
+        torch.compile(model, backend="megatrain", options={"device": "cpu"})(
+            torch.randn(8, width)).sum().backward()
+    (cache,) = tmp_path.glob("kernels-*.json")
+    timed = json.loads(cache.read_text())
+    assert timed and all(0 < s < 10 for s in timed.values())
+    assert any(json.loads(k)[1][0] == [8, width] for k in timed)  # the first layer's product
+    assert sum(r.flops_fw for r in megatrain.explain().graphs[0].schedule.plan.schedule.problem.regions) > 0

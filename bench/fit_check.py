@@ -59,12 +59,13 @@ def _out_of_memory(e: BaseException | None) -> tuple[str, BaseException] | None:
     return None
 
 
-def _oom_line(kind: str, e: BaseException, args) -> str:
-    """One line for the row: where it ran out, what it asked for, what it had and needed."""
+def _oom_line(kind: str, e: BaseException, args, n_params: int | None = None) -> str:
+    """One line for the row: where it ran out, what it asked for, what it had and needed.
+    `n_params`: the model's parameters where the presets do not know it (bench/hf_train.py)."""
     import torch
 
     g = 2**30
-    n = _param_count(args.model, args.layers)
+    n = _param_count(args.model, args.layers) if n_params is None else n_params
     asked = re.search(r"(?:[Tt]ried to allocate|Unable to allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
     asked = f"asked for {asked.group(1)}, " if asked else ""
     if kind == "host":

@@ -22,8 +22,8 @@ import time
 
 import child_phase
 import hf_models
-from fit_check import GPU_STATE_BYTES_PER_PARAM, _out_of_memory, _refuse_if_unfit
-from host_memory import _mem_available, _memory_now, _PinnedWatch, _rss_phases, _status
+from fit_check import _oom_line, _out_of_memory, _refuse_if_unfit
+from host_memory import _memory_now, _PinnedWatch, _rss_phases, _status
 from megatrain_stats import _megatrain_stats
 from presets import _tokens
 from step_diagnostics import _memory_at_peak, _profile_step
@@ -79,29 +79,6 @@ def run_probe(args) -> dict:
     return probe_rates.run_probe(args)
 
 
-def oom_line(kind: str, e: BaseException, args, n_params: int) -> str:
-    """One line for the row: where it ran out, what it asked for, what it had and needed
-    (bench/fit_check.py's, for a model the presets do not know)."""
-    import re
-
-    import torch
-
-    g = 2**30
-    asked = re.search(r"(?:[Tt]ried to allocate|Unable to allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)", str(e))
-    asked = f"asked for {asked.group(1)}, " if asked else ""
-    if kind == "host":
-        return (f"{args.system}: out of host memory in {child_phase.phase} ({asked}peak RSS "
-                f"{_status('VmHWM') / g:.1f} GiB, MemAvailable now {_mem_available() / g:.1f} GiB; "
-                f"{n_params / 1e9:.3g} G params)")
-    device = torch.device(args.device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    need = (f"gpu_memory={args.gpu_memory}" if args.system == "megatrain" else
-            f"weights, grads and AdamW m, v alone are {GPU_STATE_BYTES_PER_PARAM} B/param x "
-            f"{n_params / 1e9:.3g} G params = {GPU_STATE_BYTES_PER_PARAM * n_params / g:.1f} GiB")
-    return (f"{args.system}: out of GPU memory in {child_phase.phase} ({asked}peak allocated "
-            f"{torch.cuda.max_memory_allocated(device) / g:.1f} GiB of {total / g:.1f} GiB; {need})")
-
-
 def run_child(args) -> dict:
     """The child's row, an allocation failure turned into one line (SystemExit)."""
     n_params = hf_models.param_count(args.model, args.smoke)
@@ -111,7 +88,7 @@ def run_child(args) -> dict:
         oom = _out_of_memory(e)
         if oom is None:
             raise
-        raise SystemExit(oom_line(*oom, args, n_params)) from None
+        raise SystemExit(_oom_line(*oom, args, n_params)) from None
 
 
 def run_system(args, n_params: int) -> dict:

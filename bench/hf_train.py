@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +40,7 @@ sys.path[:0] = [str(REPO / "bench"), str(REPO)]
 # None of these imports torch at import time.
 from hf_models import MODELS, family, layers
 from hf_systems import SYSTEMS
-from train import _error_text
+from train import run_child_process
 
 # --smoke: CPU, fp32, every model at bench/hf_models.py's SMOKE scale, megatrain only, with
 # a budget that holds any smoke model's step
@@ -65,18 +63,8 @@ def _child_cmd(args, model: str, system: str, gpu_memory: str | None) -> list[st
 
 
 def _child(args, model: str, system: str, gpu_memory: str | None = None) -> dict:
-    base = system.split("+")[0]
-    try:
-        # the repo first; a PYTHONPATH already set stays after it
-        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        r = subprocess.run(_child_cmd(args, model, system, gpu_memory), check=False, capture_output=True,
-                           text=True, timeout=args.timeout, env={**os.environ, "PYTHONPATH": path})
-    except subprocess.TimeoutExpired:
-        return {"system": base, "error": f"timed out after {args.timeout} s"}
-    if r.returncode == 0:  # the row is the last JSON line (libraries may print after it)
-        return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
-    print(r.stderr[-3000:], file=sys.stderr)
-    return {"system": base, "error": _error_text(r.stderr, r.returncode)}
+    return run_child_process(_child_cmd(args, model, system, gpu_memory), system.split("+")[0],
+                             args.timeout)
 
 
 def _check_budget(args, systems: list[str]) -> None:

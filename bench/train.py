@@ -94,13 +94,19 @@ def _child(args, argv, system: str, layers: int | None = None) -> dict:
                 "--seq", "64", "--steps", "4", "--warmup", "1"]
     if layers:
         cmd += ["--layers", str(layers)]  # argparse keeps the last: one depth per child
+    return run_child_process(cmd, base, args.timeout)
+
+
+def run_child_process(cmd: list[str], base: str, timeout: float) -> dict:
+    """Run a benchmark child and return its row: the last JSON line it printed, or the
+    system's name with the error (a timeout, or the child's own words) where it failed."""
     try:
         # the repo first; a PYTHONPATH already set (carried wheels: deepspeed) stays after it
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout,
+        r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
                            env={**os.environ, "PYTHONPATH": path})
     except subprocess.TimeoutExpired:
-        return {"system": base, "error": f"timed out after {args.timeout} s"}
+        return {"system": base, "error": f"timed out after {timeout} s"}
     if r.returncode == 0:  # the row is the last JSON line (libraries may print after it)
         return json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     print(r.stderr[-3000:], file=sys.stderr)

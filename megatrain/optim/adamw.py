@@ -360,7 +360,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
             coef = None
             if (work or on_device) and (self.max_grad_norm is not None or self.skip_nonfinite):
                 params, grads = self._in_group_order(work, on_device)
-                norms = [n.cpu() for n in self._grad_norms(params, grads)]  # device ones too
+                norms = functional.to_host(self._grad_norms(params, grads))  # device ones too
                 total = None
                 if self.max_grad_norm is not None:
                     total = functional.total_norm(norms)

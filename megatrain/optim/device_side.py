@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain.optim import device_update
+from megatrain.optim import device_update, functional
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.protocol import Declined
 from megatrain.optim.resident import ResidentState
@@ -221,6 +221,12 @@ class DeviceSide:
             self._apply_resident(params, grads, scratch)
         elif final:
             self._resident.mark_pending(params)
+            if self.max_grad_norm is not None or self.skip_nonfinite:
+                # Each norm in stream order now, while the backward runs: step() then
+                # only gathers them (one copy per device), instead of launching a norm
+                # per tensor and waiting on each after the backward has drained.
+                for p, g in zip(params, grads):
+                    self._norms[p] = (g, g._version, functional.grad_norm(g))
         for p in params if final else ():
             self._final[p] = immediate
         return None
@@ -262,8 +268,12 @@ class DeviceSide:
         params = list(on_device)
         grads = [on_device[p] for p in params]
         if coef is not None:
+            by_device: dict[torch.device, list[Tensor]] = {}
             for g in grads:
-                g.mul_(coef.to(g.device))
+                by_device.setdefault(g.device, []).append(g)
+            for device, gs in by_device.items():
+                # fp32 times a scalar is exactly rounded: the bits of g.mul_(coef) each
+                torch._foreach_mul_(gs, coef.to(device))
         self._apply_resident(params, grads)
 
     def _apply_resident(self, params: list[Tensor], grads: list[Tensor],

@@ -165,6 +165,21 @@ def grad_norm(grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(grad, 2.0)
 
 
+def to_host(tensors: list[Tensor]) -> list[Tensor]:
+    """``[t.cpu() for t in tensors]`` for same-shaped tensors (the per-tensor norms),
+    with one copy, and so one wait, per device instead of one per tensor: stacking and
+    copying move values, so the results are the same bits."""
+    out: list[Tensor | None] = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            by_device.setdefault(t.device, []).append(k)
+    for ks in by_device.values():
+        for k, t in zip(ks, torch.stack([tensors[k] for k in ks]).cpu().unbind()):
+            out[k] = t
+    return out  # type: ignore[return-value]
+
+
 def total_norm(norms: list[Tensor]) -> Tensor:
     """The global 2-norm from per-tensor norms, in the order given (order matters for bits)."""
     if not norms:

@@ -9,9 +9,11 @@ Systems:
                      there, bf16 autocast, Hugging Face's gradient checkpointing on,
                      torch.compile with the default backend: what a user of transformers
                      does when the model fits
-  megatrain          torch.compile(model, backend="megatrain", options={"gpu_memory": ...})
-                     with megatrain.AdamW; the planner decides everything else unless a
-                     variant forces a megatrain.config decision (megatrain+updates=host)
+  megatrain          torch.compile(model, backend="megatrain", options={"gpu_memory": ...,
+                     "outputs": "loss"}) with megatrain.AdamW (the loop reads only the loss:
+                     the logits are never copied to the host); the planner decides
+                     everything else unless a variant forces a megatrain.config decision
+                     (megatrain+updates=host) or the outputs (megatrain+outputs=all)
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def run_system(args, n_params: int) -> dict:
         import megatrain
 
         for name in forced:
-            if name not in megatrain.config.DECISIONS + ("huge_pages",):
+            if name not in megatrain.config.DECISIONS + ("huge_pages", "outputs"):
                 raise SystemExit(f"megatrain+{name}=...: not a megatrain.config decision; "
                                  f"decisions: {', '.join(megatrain.config.DECISIONS)}")
     rss_base, anon_base = _status("VmRSS"), _status("RssAnon")
@@ -161,7 +163,10 @@ def run_system(args, n_params: int) -> dict:
 
             load_or_probe(device)
         opt = megatrain.AdamW(model.parameters(), lr=1e-4)
-        options = {"device": args.device, "precision": args.precision}
+        # a training loop reads only the loss: the consent option (megatrain+outputs=all
+        # times the default instead, every output copied back to the host like eager)
+        options = {"device": args.device, "precision": args.precision,
+                   "outputs": decisions.pop("outputs", "loss")}
         if args.gpu_memory:
             options["gpu_memory"] = args.gpu_memory
         # a variant's decisions, one system per process: the config module is this run's
@@ -233,6 +238,7 @@ def run_system(args, n_params: int) -> dict:
         "host_bytes_per_param_phases": _rss_phases(rss, rss_base, anon_base, n_params),
         "pinned_growth": pinned_watch.events,
         "gpu_memory": args.gpu_memory if args.system == "megatrain" else None,
+        "outputs": options.get("outputs") if args.system == "megatrain" else None,
         "steps": times, "losses": losses, "final_loss": losses[-1],
         # wall time from the start of the model's build to the end of step 1 (compiling
         # included), the build's share of it and step 1's own

@@ -25,7 +25,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import decide, rates
+from . import decide, outputs, rates
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -167,6 +167,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params,
                                      grad_slabs=opts.grad_slabs)
     sid = streamer_mod.register(streamer)
+    dropped = outputs.drop_non_scalar_outputs(gm) if opts.outputs == "loss" else None
     # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
     retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None
     try:
@@ -187,7 +188,7 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     if streamer.device_updates is not None and opts.device.type == "cuda":
         streamer.device_updates.prepare()  # page-lock their moments now, not in a backward
     explain_mod.record(plan)
-    return compiled
+    return compiled if dropped is None else outputs.with_stand_ins(compiled, dropped)
 
 
 _FUSED_LOSS = ("linear_cross_entropy",)

@@ -11,6 +11,7 @@ from .. import config
 from ..errors import MegatrainTypeError, MegatrainValueError
 from ..memory import host_store
 from ..runtime.grad_slabs import check_max_slabs
+from .outputs import OUTPUTS
 from .update_sites import UPDATES
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -52,6 +53,12 @@ class Options:
         optimizer's moments it creates, gradient slabs, activations waiting in host memory,
         weight shadows. Default: the RAM available at compile time, less a margin (an
         eighth of the host's RAM, at least 2 GiB); None where the host does not say.
+    outputs: the one consent option. "all" (default): every tensor a graph returns comes
+        back to the CPU with its values, like eager. "loss": a graph that returns a 0-dim
+        tensor (the loss) returns its 0-dim tensors only, every other tensor output as a
+        meta tensor of its shape and dtype that raises when read, so megatrain neither
+        copies the logits to the host nor makes them where the fused loss can stand in
+        (compiler/outputs.py says when all outputs come back anyway).
 
     The other fields are megatrain's decisions, read from `megatrain.config` (which
     documents each); tests and benchmarks force them there, never through `options`.
@@ -61,6 +68,7 @@ class Options:
     gpu_memory: int
     precision: str = "bf16"
     host_memory: int | None = None
+    outputs: str = "all"
     prefetch: int = 1
     lowering: str = "inductor"
     kernels: tuple[str, ...] | None = None  # None: not given (see above)
@@ -83,7 +91,7 @@ _LOWERINGS = ("inductor", "eager")
 _BACKLOGS = ("host", "device", "arrival")
 
 
-USER_OPTIONS = ("device", "gpu_memory", "host_memory", "precision")
+USER_OPTIONS = ("device", "gpu_memory", "host_memory", "precision", "outputs")
 
 
 def parse_options(options: dict | None) -> Options:
@@ -134,6 +142,13 @@ def parse_options(options: dict | None) -> Options:
     precision = options.get("precision", "bf16")
     if precision not in _PRECISIONS:
         raise MegatrainValueError(f"precision={precision!r}: use one of {_PRECISIONS}")
+
+    outputs = options.get("outputs", "all")
+    if outputs not in OUTPUTS:
+        raise MegatrainValueError(
+            f"outputs={outputs!r}: use 'all' (every output comes back with its values, like "
+            f"eager) or 'loss' (a training graph's 0-dim outputs only; the others come back as "
+            f"meta tensors, never copied to the host)")
 
     prefetch = options.get("prefetch", 1)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
@@ -186,6 +201,7 @@ def parse_options(options: dict | None) -> Options:
             f"device computes with; an fp32 step already streams the masters as they are. "
             f"Use precision='bf16' or drop weight_shadow")
     return Options(device=device, gpu_memory=gpu_memory, precision=precision, host_memory=host_memory,
+                   outputs=outputs,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
                    backlog=backlog, offload=offload, grad_chunk=grad_chunk, grad_slabs=grad_slabs,
                    keep_weights=keep_weights, weight_shadow=weight_shadow)

@@ -34,6 +34,9 @@ from megatrain.optim.engine import HostWorker
 from megatrain.optim.protocol import Declined
 from megatrain.optim.resident import ResidentState
 
+# step()'s waiting resident updates run in this many runs of parameters, an event each.
+STEP_PIECES = 16
+
 # update_resident's answer when the gradients must wait on the device and have no buffer yet.
 NEEDS_BUFFERS = Declined("resident gradients must wait on the device: lend them buffers",
                          needs_buffers=True)
@@ -265,16 +268,37 @@ class DeviceSide:
     def _apply_on_device(self, on_device: dict[Tensor, Tensor], coef: Tensor | None) -> None:
         """step(): the final gradients that waited on the device, clipped like the host's,
         applied there (stream order); the buffers are free for the next step."""
-        params = list(on_device)
-        grads = [on_device[p] for p in params]
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in on_device:
+            by_device.setdefault(on_device[p].device, []).append(p)
+        for device, params in by_device.items():
+            grads = [on_device[p] for p in params]
+            stream = self._resident.step_stream(device)
+            if stream is None:
+                self._clip_and_apply(params, grads, coef, device)
+                continue
+            stream.wait_stream(torch.cuda.current_stream(device))  # the gradients are final
+            with torch.cuda.stream(stream):
+                self._clip_and_apply(params, grads, coef, device, in_pieces=True)
+
+    def _clip_and_apply(self, params: list[Tensor], grads: list[Tensor], coef: Tensor | None,
+                        device: torch.device, in_pieces: bool = False) -> None:
+        """Clip (fp32 times a scalar is exactly rounded: the bits of g.mul_(coef) each) and
+        update; ``in_pieces`` updates STEP_PIECES runs of parameters in the order the next
+        forward fetches them (adoption order), an event each, so a fetch waits for its
+        own run only (AdamW is elementwise: the same bits as one call)."""
         if coef is not None:
-            by_device: dict[torch.device, list[Tensor]] = {}
-            for g in grads:
-                by_device.setdefault(g.device, []).append(g)
-            for device, gs in by_device.items():
-                # fp32 times a scalar is exactly rounded: the bits of g.mul_(coef) each
-                torch._foreach_mul_(gs, coef.to(device))
-        self._apply_resident(params, grads)
+            torch._foreach_mul_(grads, coef.to(device))
+        if not in_pieces:
+            self._apply_resident(params, grads)
+            return
+        target = sum(g.numel() for g in grads) / STEP_PIECES
+        start, size = 0, 0
+        for k, g in enumerate(grads):
+            size += g.numel()
+            if size >= target or k == len(grads) - 1:
+                self._apply_resident(params[start:k + 1], grads[start:k + 1])
+                start, size = k + 1, 0
 
     def _apply_resident(self, params: list[Tensor], grads: list[Tensor],
                         scratch: Tensor | None = None) -> None:

@@ -102,6 +102,25 @@ class ResidentState:
 
     def __init__(self) -> None:
         self._entries: dict[Tensor, _Entry] = {}
+        self._streams: dict[torch.device, Any] = {}
+
+    def step_stream(self, device: torch.device):
+        """The CUDA stream ``step()``'s waiting updates run on (None off CUDA): beside the
+        compute stream, so the next forward's first regions compute while the later ones
+        are still updated; each fetch waits for its own parameters' events."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    @staticmethod
+    def _after_update(entries) -> None:
+        """The current stream waits for the last update of each entry (it may have run
+        on the step stream), before it reads or writes their state or gradient buffers."""
+        waits = {id(e.updated): (e.updated, e.master.device) for e in entries if e.updated is not None}
+        for event, device in waits.values():
+            torch.cuda.current_stream(device).wait_event(event)
 
     def __contains__(self, p: Tensor) -> bool:
         return p in self._entries
@@ -158,6 +177,7 @@ class ResidentState:
         entries = [self._entries[p] for p in params]
         if not entries:
             return
+        self._after_update(entries)
         grads = list(grads)
         direct = [_in_place(g) for g in grads]
         if not all(direct):
@@ -200,6 +220,7 @@ class ResidentState:
         and contiguous is copied (upcasting is exact), or added from ``scratch`` piece by
         piece as ``update`` reads it."""
         e = self._entries[p]
+        self._after_update([e])
         if not e.has_grad:
             e.grad.copy_(grad)
             e.has_grad = True

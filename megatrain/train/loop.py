@@ -98,8 +98,10 @@ def compile_model(model: torch.nn.Module, cfg: TrainConfig):
 
 
 def backend_options(cfg: TrainConfig) -> dict:
-    """The megatrain backend's options from the run's config."""
-    options = {"device": cfg.device, "precision": cfg.precision}
+    """The megatrain backend's options from the run's config. The loop reads only the
+    loss, so it gives the consent option: a model that also returns its logits never
+    copies them to the host."""
+    options = {"device": cfg.device, "precision": cfg.precision, "outputs": "loss"}
     if cfg.gpu_memory is not None:
         options["gpu_memory"] = cfg.gpu_memory
     if cfg.host_memory is not None:

@@ -3,6 +3,7 @@
 A small byte-level BPE tokenizer with a ChatML template is built here (nothing downloaded), saved
 and re-loaded through AutoTokenizer, as the CLI would load a real one."""
 
+import itertools
 import json
 
 import numpy as np
@@ -23,15 +24,14 @@ CORPUS = ["What is two plus two? It is four.", "The cat sat on the mat, said the
 
 
 def _save_tokenizer(folder, template):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=320, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, tokenizers.trainers.BpeTrainer(
+        vocab_size=320, show_progress=False, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
     # tokenizer(prompt) adds bos, so the prompt's special tokens are exercised
-    tok.post_processor = processors.TemplateProcessing(
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
                                                 eos_token="</s>", pad_token="<pad>")
@@ -139,6 +139,19 @@ def test_packing_layout(tmp_path, tok):
     assert train.tokens == sum(len(e[0]) for e in examples)
     assert train.summary()["trained_tokens"] == sum(int((e[1][1:] != -100).sum()) for e in examples)
     assert train.in_memory_bytes() == 3 * 4 * len(train) * 64
+
+
+def test_first_label_of_each_packed_example_is_ignored():
+    # fully labelled examples (as a chat that opens on a labelled token would be): the token
+    # before an example belongs to another one and must not learn to predict it
+    ex = [(np.arange(10, 10 + n), np.arange(10, 10 + n)) for n in (5, 4, 3, 6)]
+    for packing, n_rows in ((True, 2), (False, 4)):
+        d = sft.pack_examples(ex, 9, pad_id=0, packing=packing)
+        assert len(d) == n_rows and d.tokens == 18 and d.summary()["trained_tokens"] == 14
+        starts = d.position_ids == 0
+        assert (d.labels[starts] == -100).all()
+        real = (d.input_ids != 0) & ~starts
+        assert np.array_equal(d.labels[real], d.input_ids[real])
 
 
 def test_truncation_is_counted(tmp_path, tok):
@@ -272,7 +285,7 @@ def test_packed_examples_do_not_attend_to_each_other(tmp_path, tok):
         packed = model(ids, position_ids=pos).logits
         flat = model(ids, position_ids=torch.arange(seq)[None]).logits
         twice = model(ids.repeat(2, 1), position_ids=pos.repeat(2, 1)).logits
-        for k, (a, b) in enumerate(zip(starts, starts[1:])):
+        for k, (a, b) in enumerate(itertools.pairwise(starts)):
             alone = model(ids[:, a:b]).logits
             assert torch.allclose(packed[:, a:b], alone, atol=1e-5, rtol=0), k
             assert torch.allclose(twice[1:, a:b], alone, atol=1e-5, rtol=0), k

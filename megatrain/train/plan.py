@@ -109,12 +109,44 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _attr(config, *names: str) -> int:
+    """The first of ``names`` the config has: megatrain's Llama and Hugging Face configs
+    spell the same size differently (``hidden`` / ``hidden_size``); 0 when none."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _units(model: nn.Module) -> tuple[list[int], list[int]]:
+    """Parameter counts of the blocks (the children of every outermost ModuleList, at any
+    depth: a Hugging Face model holds them under ``model.layers``) and of the leaf modules
+    outside them (embedding, final norm, head): what streams as one unit."""
+    layers: list[int] = []
+    others: list[int] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, nn.ModuleList):
+                layers.extend(_numel(c) for c in child)
+            else:
+                own = sum(p.numel() for p in child.parameters(recurse=False))
+                if own:
+                    others.append(own)
+                visit(child)
+
+    visit(model)
+    own = sum(p.numel() for p in model.parameters(recurse=False))
+    return layers, others + ([own] if own else [])
+
+
 def model_flops_per_token(model: nn.Module, seq: int) -> float:
     """Training FLOPs per token: 6 x matmul params + 12 L h seq (attention), no recompute."""
     cfg = getattr(model, "config", None)
     n_matmul = sum(m.weight.numel() for m in _unique_linears(model))
-    layers = getattr(cfg, "layers", 0)
-    hidden = getattr(cfg, "hidden", 0)
+    layers = _attr(cfg, "layers", "num_hidden_layers")
+    hidden = _attr(cfg, "hidden", "hidden_size")
     return 6.0 * n_matmul + 12.0 * layers * hidden * seq
 
 
@@ -131,20 +163,14 @@ def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
     """Host bytes (and a device estimate, module docstring) for training `model` with `cfg`."""
     n = sum(p.numel() for p in model.parameters())
     n_matmul = sum(m.weight.numel() for m in _unique_linears(model))
-    layers: list[int] = []
-    others: list[int] = []
-    for _, child in model.named_children():
-        if isinstance(child, nn.ModuleList):
-            layers += [_numel(c) for c in child]
-        elif _numel(child):
-            others.append(_numel(child))
+    layers, others = _units(model)
     unit = max(layers + others + [1])
     mc = getattr(model, "config", None)
-    hidden = getattr(mc, "hidden", None) or int(math.sqrt(max(unit, 1) / 12))
-    ffn = getattr(mc, "ffn", 4 * hidden)
+    hidden = _attr(mc, "hidden", "hidden_size") or int(math.sqrt(max(unit, 1) / 12))
+    ffn = _attr(mc, "ffn", "intermediate_size") or 4 * hidden
     vocab = getattr(mc, "vocab_size", 0)
-    heads = getattr(mc, "heads", 1)
-    L = len(layers) or getattr(mc, "layers", 1)
+    heads = _attr(mc, "heads", "num_attention_heads") or 1
+    L = len(layers) or _attr(mc, "layers", "num_hidden_layers") or 1
 
     cb = 2 if cfg.precision == "bf16" else 4
     T = cfg.tokens

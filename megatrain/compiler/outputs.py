@@ -21,6 +21,7 @@ needed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,8 +70,11 @@ def drop_non_scalar_outputs(gm: fx.GraphModule) -> Dropped | None:
 
 
 def with_stand_ins(compiled: Callable, dropped: Dropped) -> Callable:
-    """``compiled``'s outputs at their old positions, meta stand-ins at the dropped ones."""
+    """``compiled``'s outputs at their old positions, meta stand-ins at the dropped ones.
+    The arguments pass through as given (boxed or not), and ``compiled``'s attributes
+    (AOTAutograd's ``zero_grad``, ``named_parameters``, ``serialize``) are kept."""
 
+    @functools.wraps(compiled)
     def run(*args):
         got = compiled(*args)
         out: list = [None] * dropped.width

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from megatrain import config
 from megatrain.optim import device_update, functional
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.protocol import Declined
@@ -179,6 +180,9 @@ class DeviceSide:
         if reason is not None:
             return reason
         dev = device_update.resolve_device(device)
+        # read here, inside the compiled call that adopts them, where a forced decision
+        # (megatrain.config.patch around the call) is in effect
+        self._resident.beside_compute = config.step_stream
         for p in params:
             if p not in self._resident:
                 self._resident.adopt(self.state, p, dev)

@@ -103,12 +103,14 @@ class ResidentState:
     def __init__(self) -> None:
         self._entries: dict[Tensor, _Entry] = {}
         self._streams: dict[torch.device, Any] = {}
+        self.beside_compute = False  # megatrain.config.step_stream, read at adoption
 
     def step_stream(self, device: torch.device):
-        """The CUDA stream ``step()``'s waiting updates run on (None off CUDA): beside the
-        compute stream, so the next forward's first regions compute while the later ones
-        are still updated; each fetch waits for its own parameters' events."""
-        if device.type != "cuda":
+        """The CUDA stream ``step()``'s waiting updates run on (None off CUDA, or where
+        they run on the compute stream): beside the compute stream, so the next forward's
+        first regions compute while the later ones are still updated; each fetch waits
+        for its own parameters' events."""
+        if device.type != "cuda" or not self.beside_compute:
             return None
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)

@@ -24,21 +24,37 @@ def _parser() -> argparse.ArgumentParser:
                                    "With no arguments: the tiny preset on the shipped "
                                    "Shakespeare corpus.")
     g = t.add_argument_group("model and data")
-    g.add_argument("--model", help="preset (tiny, 1b, 3b, 8b) or a Hugging Face Llama folder "
-                                   "(config.json, optional safetensors) [tiny]")
-    g.add_argument("--data", help="text file, folder of .txt, .jsonl with a \"text\" field, or "
-                                  "token ids (.bin uint16/uint32, .npy) [shipped corpus]")
+    g.add_argument("--model", help="preset (tiny, 1b, 3b, 8b: megatrain's Llama) or a Hugging Face "
+                                   "model folder (config.json, optional safetensors): any "
+                                   "transformers causal LM, needs pip install \"megatrain[hf]\" "
+                                   "[tiny]")
+    g.add_argument("--data", help="text file, folder of .txt, .jsonl with a \"text\" field, "
+                                  "token ids (.bin uint16/uint32, .npy), or SFT: a .jsonl of "
+                                  "{\"messages\": [...]} or {\"prompt\", \"completion\"} rows "
+                                  "[shipped corpus]")
     g.add_argument("--data-dtype", choices=["auto", "uint16", "uint32"],
                    help=".bin token width [auto: uint16 when the vocab fits]")
     g.add_argument("--tokenizer", help="'bytes' or a folder/file with tokenizer.json (needs the "
-                                       "tokenizers package) [bytes]")
+                                       "tokenizers package) [the model folder's own, else bytes]")
+    g.add_argument("--packing", dest="packing", action="store_true",
+                   help="SFT: pack several examples per row, kept apart by position ids "
+                        "[on for transformers models]")
+    g.add_argument("--no-packing", dest="packing", action="store_false",
+                   help="SFT: one example per row, padded [megatrain's Llama presets]")
+    g.add_argument("--eval-fraction", type=float,
+                   help="SFT: share of the examples held out; their mean loss is logged as "
+                        "eval_loss [0: no eval]")
+    g.add_argument("--eval-every", type=int,
+                   help="eval every N steps, 0 = only at the last [at every checkpoint save "
+                        "(--save-every) and the last step]")
     g = t.add_argument_group("schedule")
     g.add_argument("--steps", type=int, help="optimizer steps [200]")
     g.add_argument("--seq", type=int, help="sequence length [256]")
     g.add_argument("--batch-tokens", type=int, help="tokens per optimizer step, all micro-batches "
                                                     "together [4096]")
     g.add_argument("--grad-accum", type=int, help="micro-batches per step [1]")
-    g.add_argument("--lr", type=float, help="peak learning rate [3e-3 below 50M params, else 3e-4]")
+    g.add_argument("--lr", type=float, help="peak learning rate [2e-5 on pretrained weights; from "
+                                                 "scratch 3e-3 below 50M params, else 3e-4]")
     g.add_argument("--warmup", type=int, help="linear warmup steps, then cosine [steps/10]")
     g.add_argument("--min-lr-ratio", type=float, help="final lr as a fraction of --lr [0.1]")
     g.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices [0.1]")
@@ -63,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, help="checkpoint every N steps, 0 = only at the "
                                                   "end [a quarter of --steps, at most 500]; "
                                                   "Ctrl-C or SIGTERM saves at the next step")
+    g.add_argument("--save-dtype", help="transformers checkpoints' shards: fp32 (the exact "
+                                        "weights) or bf16 (half the size; the exact fp32 "
+                                        "weights kept beside them for --resume) [fp32]")
     g.add_argument("--keep", type=int, help="complete checkpoints to keep [2]")
     g.add_argument("--resume", action="store_true", help="continue from the latest complete "
                                                          "checkpoint in --out")

@@ -1,12 +1,17 @@
 """Atomic, verifiable checkpoints: `OUT/checkpoints/step_00000100/` holds
 
-    model.safetensors (or shards + index)  fp32 weights under Hugging Face Llama names
-    config.json                            Hugging Face LlamaForCausalLM config
+    model.safetensors (or shards + index)  the weights, a Hugging Face model folder:
+    config.json                              transformers models: written by transformers
+                                             (fp32, or bf16 with --save-dtype bf16);
+                                             megatrain's Llama: fp32 under HF Llama names
+    master.safetensors                     bf16 shards only: the exact fp32 weights (resume)
     tokenizer files                        when a Hugging Face tokenizer was used
     optimizer.pt                           optimizer.state_dict()
     rng.pt                                 torch CPU (+ CUDA) generator, python random, numpy
     manifest.json                          every other file's size and CRC-32 per 16 MiB
-    state.json                             step, data position, tokens seen, run config
+    state.json                             step, data position, tokens seen, run config,
+                                           `weights`: which code reads the weights back
+                                           (absent in older checkpoints: megatrain's Llama)
 
 Everything is written into `checkpoints/.tmp-step_...` and fsynced, then the folder is
 renamed into place: a visible `step_*` folder is always complete, and a process killed
@@ -37,7 +42,7 @@ import torch
 
 from megatrain.models import Llama
 
-from . import RefusedError, hf
+from . import RefusedError, hf, hf_models, master_weights
 
 SUBDIR = "checkpoints"
 PREFIX = "step_"
@@ -221,10 +226,15 @@ def _set_aside(folder: Path) -> Path:
 
 
 def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, state: dict, hf_config: dict,
-                    extra_files: list[Path] = (), keep: int = 2, say=None) -> Path:
+                    optimizer: torch.optim.Optimizer, state: dict, hf_config: dict | None,
+                    extra_files: list[Path] = (), keep: int = 2, say=None,
+                    write_model=None) -> Path:
     """Write the checkpoint for `step` atomically; keep the newest `keep` at or below it;
-    return its folder. `say(msg)` hears of a damaged folder set aside for this step."""
+    return its folder. `say(msg)` hears of a damaged folder set aside for this step.
+
+    `write_model(folder)` writes the weights, config and tokenizer (the model source's
+    format); without it, megatrain's Llama is written: HF-named fp32 weights, `hf_config`
+    as config.json and `extra_files` copied beside them."""
     root = checkpoints_root(out)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
@@ -242,10 +252,13 @@ def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
     tmp.mkdir()
     # Both state_dicts read current values (megatrain.AdamW's queued and resident updates
     # included, optim/module_reads.py): no synchronize(), which would send resident state home.
-    hf.save_weights(model, tmp)
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    for f in extra_files:
-        shutil.copy2(f, tmp / Path(f).name)
+    if write_model is not None:
+        write_model(tmp)
+    else:
+        hf.save_weights(model, tmp)
+        (tmp / "config.json").write_text(json.dumps(hf_config or {}, indent=2))
+        for f in extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(capture_rng(), tmp / "rng.pt")
     state_bytes = json.dumps({**state, "step": step}, indent=2).encode()
@@ -362,7 +375,7 @@ def _check_legacy(path: Path) -> str | None:
             return f"{name} is missing"
         try:
             torch.load(path / name, map_location="cpu", weights_only=True, mmap=mmap)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any load error means a damaged file
             return f"{name} cannot be loaded ({type(e).__name__}: {e})"
     return None
 
@@ -370,6 +383,29 @@ def _check_legacy(path: Path) -> str | None:
 def _check_weights(path: Path) -> str | None:
     """Every tensor the model built from the checkpoint's config.json needs, with its shape,
     in the safetensors headers (read without the tensors)."""
+    state = read_state(path)
+    if state.get("weights") == "transformers":
+        return _check_transformers(path, state.get("save_dtype"))
+    return _check_llama(path)
+
+
+def _check_transformers(path: Path, save_dtype: str | None) -> str | None:
+    """A transformers-format checkpoint: transformers' own key mapping over the shard
+    headers (hf_models.check_weights), and the fp32 master's header beside bf16 shards.
+    Without transformers this is refused (the run cannot resume), not called damage."""
+    hf_models.require_transformers()
+    try:
+        meta = hf_models.build_meta(path).model
+        if not hf_models.check_weights(meta, path).files:
+            return "model.safetensors is missing"
+        if save_dtype == "bf16":
+            master_weights.check(meta, path / master_weights.FILENAME)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # RefusedError included
+        return str(e) if isinstance(e, RefusedError) else f"{type(e).__name__}: {e}"
+    return None
+
+
+def _check_llama(path: Path) -> str | None:
     from safetensors import safe_open
 
     try:
@@ -393,14 +429,14 @@ def _check_weights(path: Path) -> str | None:
             return f"{f.name} is missing"
         try:
             with safe_open(str(f), framework="pt") as fh:
-                for name in fh.keys():
+                for name in fh.keys():  # noqa: SIM118 - a safe_open handle
                     if name in need:
                         shape = tuple(fh.get_slice(name).get_shape())
                         if shape != need[name]:
                             return (f"{f.name}: tensor {name} has shape {shape}, config.json "
                                     f"makes {need[name]}")
                         need.pop(name)
-        except Exception as e:  # safetensors raises its own SafetensorError
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError
             return f"{f.name} has an unreadable header ({type(e).__name__}: {e})"
     if need:
         names = sorted(need)
@@ -417,8 +453,10 @@ def read_state(path: Path) -> dict:
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, rng: bool = True) -> dict:
+                    optimizer: torch.optim.Optimizer | None = None, rng: bool = True,
+                    weights: bool = True) -> dict:
     """Load weights (and optimizer state, RNG) from a checkpoint folder; return state.json.
+    `weights=False`: the model already holds them (the loop's model source read them).
 
     Raises RefusedError naming the folder (and, for weights, the tensor) when a file does
     not load: `--resume` verified it before, so this means it changed since or is of
@@ -426,7 +464,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
     """
     path = Path(path)
     try:
-        hf.load_weights(model, hf.weight_files(path))
+        if weights:
+            hf.load_weights(model, hf.weight_files(path))
         if optimizer is not None:
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu",
                                                  weights_only=True))
@@ -435,5 +474,5 @@ def load_checkpoint(path: Path, model: torch.nn.Module,
         return read_state(path)
     except (RefusedError, MemoryError, torch.OutOfMemoryError):
         raise
-    except Exception as e:  # safetensors, zip and pickle errors have no common base
+    except Exception as e:  # noqa: BLE001 - safetensors, zip and pickle errors have no common base
         raise RefusedError(f"checkpoint {path} cannot be loaded ({type(e).__name__}: {e})") from None

@@ -2,6 +2,7 @@
 
 Each row has at least step, loss, lr, tokens_per_s; also tflops (model FLOPs: 6 N T plus
 attention, recompute not counted), grad_norm, step_time_s, tokens, elapsed_s and memory.
+A run with an eval set also writes {"step", "eval_loss"} rows (after that step's row).
 """
 
 from __future__ import annotations

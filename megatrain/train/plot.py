@@ -1,4 +1,5 @@
-"""`megatrain plot DIR`: loss and throughput from DIR/metrics.jsonl as DIR/metrics.png."""
+"""`megatrain plot DIR`: loss (with the eval loss, if any) and throughput from
+DIR/metrics.jsonl as DIR/metrics.png."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ def plot_metrics(out: str | Path, path: str | Path | None = None) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    rows = [r for r in rows if "loss" in r]     # a step's row (eval rows hold eval_loss)
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
     tps = [r.get("tokens_per_s") or 0.0 for r in rows]
@@ -37,6 +40,8 @@ def plot_metrics(out: str | Path, path: str | Path | None = None) -> Path:
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
     ax1.plot(steps, _smooth(loss), color="tab:blue", linewidth=2, label="loss (EMA)")
+    if evals:
+        ax1.plot(*zip(*evals), color="tab:orange", marker="o", linewidth=1.5, label="eval loss")
     ax1.set_xlabel("step")
     ax1.set_ylabel("loss")
     ax1.set_title("training loss")

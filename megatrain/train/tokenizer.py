@@ -1,4 +1,10 @@
-"""Tokenizers: byte-level (the default: no download, vocab 256) or a local Hugging Face one."""
+"""Tokenizers: byte-level (the default: no download, vocab 256) or a local Hugging Face one.
+
+A Hugging Face tokenizer is read by the `tokenizers` package (`--tokenizer PATH` on plain
+text: no `transformers` needed) or through transformers' AutoTokenizer (a model folder's own
+tokenizer, and any tokenizer for SFT data: it carries the chat template, eos and pad ids).
+Plain text is encoded the same way by both: the fast tokenizer's `encode_batch`.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,14 @@ from . import RefusedError
 class ByteTokenizer:
     """UTF-8 bytes are the tokens: ids 0..255, nothing to download, lossless."""
 
-    name = "bytes"
+    name = name_or_path = "bytes"
     vocab_size = 256
+    # What sft.build_sft reads of a tokenizer: prompt/completion rows work (no eos to learn
+    # to stop at); chat rows are refused for want of a template.
+    chat_template = eos_token_id = pad_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.encode(text).astype(int).tolist()}
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -75,11 +87,50 @@ class HFTokenizer:
         return [self.folder / n for n in names if (self.folder / n).is_file()]
 
 
-def load_tokenizer(spec: str | os.PathLike | None):
-    """`bytes` (or None) -> ByteTokenizer; a folder holding tokenizer.json, or that file -> HF."""
+class TransformersTokenizer(HFTokenizer):
+    """A tokenizer read by transformers' AutoTokenizer; `hf` is that object (for SFT and
+    for saving it into checkpoints with everything it carries)."""
+
+    def __init__(self, path: Path):
+        from .hf_models import require_transformers
+
+        tf = require_transformers()
+        folder = path if path.is_dir() else path.parent
+        try:
+            if path.is_dir():
+                self.hf = tf.AutoTokenizer.from_pretrained(str(path))
+            else:
+                self.hf = tf.PreTrainedTokenizerFast(tokenizer_file=str(path))
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            why = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise RefusedError(f"--tokenizer {path}: transformers cannot load it ({why}); pass a "
+                               f"folder saved by a Hugging Face tokenizer's save_pretrained") from None
+        self.path, self.folder, self.name = path, folder, str(path)
+        self._tok = getattr(self.hf, "backend_tokenizer", None)
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str) -> np.ndarray:
+        if self._tok is not None:
+            return super().encode(text)
+        ids = self.hf(text)["input_ids"]
+        return np.asarray(ids, dtype=np.uint16 if self.vocab_size <= 65536 else np.uint32)
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids])
+
+    def save_pretrained(self, folder) -> None:
+        self.hf.save_pretrained(str(folder))
+
+
+def load_tokenizer(spec: str | os.PathLike | None, transformers: bool = False):
+    """`bytes` (or None) -> ByteTokenizer; a folder holding tokenizer.json, or that file -> HF
+    (through AutoTokenizer when `transformers`, else the `tokenizers` package)."""
     if spec is None or str(spec) in ("bytes", "byte"):
         return ByteTokenizer()
     path = Path(spec)
+    if transformers and path.is_dir() and any((path / n).is_file() for n in
+                                               ("tokenizer.json", "tokenizer_config.json")):
+        return TransformersTokenizer(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
@@ -87,4 +138,4 @@ def load_tokenizer(spec: str | os.PathLike | None):
             f"--tokenizer {spec}: no such tokenizer (expected 'bytes', a folder with tokenizer.json, "
             f"or a tokenizer.json file); use --tokenizer bytes for the byte-level default"
         )
-    return HFTokenizer(path)
+    return TransformersTokenizer(path) if transformers else HFTokenizer(path)

@@ -1,16 +1,19 @@
-"""Hugging Face Llama folders: config + safetensors in, train, HF-named checkpoint out."""
+"""Hugging Face Llama folders: config + safetensors in, train, HF-named checkpoint out.
+
+`--model FOLDER` builds the folder's model through transformers (any causal LM: Llama folders
+too); hf.py's name mapping between Llama folders and megatrain's own Llama stays, for the
+presets' checkpoints, and is tested on its own here."""
 
 import json
 
 import pytest
 import torch
+from _train_helpers import SMALL, rows, train
 from safetensors.torch import load_file, save_file
 
+from megatrain.cli import main
 from megatrain.models import Llama
 from megatrain.train import checkpoint, hf
-
-from _train_helpers import SMALL, rows, train
-from megatrain.cli import main
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
@@ -43,7 +46,7 @@ def _write_folder(folder, cfg, dtype=torch.float32, extra=None):
     sd = model.state_dict()
     tensors = {}
     for name in _hf_names(cfg):
-        ours = name[len("model."):] if name.startswith("model.") else name
+        ours = name.removeprefix("model.")
         tensors[name] = sd[ours].to(dtype).contiguous()
     tensors.update(extra or {})
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -82,9 +85,11 @@ def test_hf_folder_round_trip(tmp_path, tied):
         assert (t - start[name].float()).abs().max() < 5e-3, name
     out_cfg = json.loads((ckpt / "config.json").read_text())
     for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
-                "vocab_size", "rope_theta", "bos_token_id", "eos_token_id"):
+                "vocab_size", "bos_token_id", "eos_token_id"):
         assert out_cfg[key] == cfg[key], key
-    assert out_cfg["tie_word_embeddings"] is tied and out_cfg["torch_dtype"] == "float32"
+    # written by transformers 5: rope_theta inside rope_parameters, "dtype" for "torch_dtype"
+    assert out_cfg["rope_parameters"]["rope_theta"] == cfg["rope_theta"]
+    assert out_cfg["tie_word_embeddings"] is tied and out_cfg["dtype"] == "float32"
     assert out_cfg["architectures"] == ["LlamaForCausalLM"]
     # the checkpoint folder is itself a valid --model folder
     again = Llama(hf.llama_config_from_hf(out_cfg))
@@ -106,11 +111,13 @@ def test_sharded_save_and_load(tmp_path):
         assert torch.equal(a, b), n
 
 
+# transformers builds every one of these configs; each is refused because the weights (or the
+# config itself) do not make that model, naming what is wrong
 @pytest.mark.parametrize("change,needle", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "not a Llama"),
-    ({"hidden_size": 96}, "shape"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+    ({"attention_bias": True}, "missing ['model.layers.0.self_attn.k_proj.bias'"),
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "unexpected model.embed_tokens"),
+    ({"hidden_size": 96}, "shape (256, 64), but config.json makes lm_head.weight (256, 96)"),
 ])
 def test_unsupported_or_mismatched_folders_are_refused(tmp_path, capsys, change, needle):
     src = tmp_path / "hf"
@@ -120,10 +127,14 @@ def test_unsupported_or_mismatched_folders_are_refused(tmp_path, capsys, change,
     assert needle in capsys.readouterr().err
 
 
-def test_folder_without_weights_starts_from_random_init(tmp_path):
+@pytest.mark.parametrize("config", [CONFIG, {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32,
+                                              "n_layer": 2, "n_head": 2, "n_positions": 64}])
+def test_folder_without_weights_starts_from_random_init(tmp_path, config):
+    """Any causal LM transformers builds, Llama or not (GPT-2 was refused before folders went
+    through transformers)."""
     src = tmp_path / "cfg-only"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps(CONFIG))
+    (src / "config.json").write_text(json.dumps(config))
     assert main(["train", *SMALL, "--model", str(src), "--steps", "1",
                  "--out", str(tmp_path / "r")]) == 0
 

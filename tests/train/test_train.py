@@ -5,12 +5,11 @@ import re
 
 import pytest
 import torch
+from _train_helpers import SMALL, rows, run_module, run_modules, train
 from safetensors.torch import load_file
 
 from megatrain.cli import main
 from megatrain.train import checkpoint, loop
-
-from _train_helpers import SMALL, rows, run_module, run_modules, train
 
 
 def test_loss_falls_metrics_and_plot(tmp_path, capsys):
@@ -93,7 +92,8 @@ def test_compile_path_passes_options(tmp_path, monkeypatch):
     assert main(["train", "--compile", "megatrain", "--device", "cpu", "--precision", "fp32",
                  "--seq", "32", "--batch-tokens", "128", "--no-progress", *args,
                  "--out", str(tmp_path / "m")]) == 0
-    assert seen and seen[0] == {"device": "cpu", "precision": "fp32", "gpu_memory": "1GiB"}
+    assert seen and seen[0] == {"device": "cpu", "precision": "fp32", "gpu_memory": "1GiB",
+                                "outputs": "loss"}   # the loop reads only the loss
     le = [x["loss"] for x in rows(tmp_path / "e")]
     lm = [x["loss"] for x in rows(tmp_path / "m")]
     assert lm == pytest.approx(le, rel=1e-5)

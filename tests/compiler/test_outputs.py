@@ -37,6 +37,7 @@ def _llama(vocab=V, tied=False):
 def _train(model, budget_fraction, vocab=V, steps=3):
     ref = copy.deepcopy(model)
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "outputs": "loss",
+                                    "lowering": "eager",
                                     "gpu_memory": int(budget_fraction * param_bytes(model))})
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -115,7 +116,8 @@ def test_a_graph_that_ends_at_a_break_keeps_its_outputs():
     torch.manual_seed(0)
     model = _Broken()
     ref = copy.deepcopy(model)
-    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "outputs": "loss"})
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "outputs": "loss",
+                                    "lowering": "eager"})
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     loss, hidden = step(x, y)
     loss_ref, _ = ref(x, y)

@@ -113,7 +113,7 @@ def load(cfg, src: data.DataSource, tok, source, micro_batch: int, rank: int, wo
             f"trained (assistant/completion); {s['truncated']} examples longer than --seq were "
             f"truncated")
     if s["truncated_no_loss"]:
-        text += f" ({s['truncated_no_loss']} kept no trained token: raise --seq)"
+        text += f" ({s['truncated_no_loss']} kept no trained token and were dropped: raise --seq)"
     if not source.packs:
         text += (f"\n  {source.no_packing}: each example is padded to a row of its own "
                  f"(packing needs position ids, which transformers masks across)")

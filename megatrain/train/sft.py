@@ -219,7 +219,7 @@ class SFTData:
     examples: int
     tokens: int          # real (non-pad) tokens
     truncated: int       # examples cut to `seq` tokens
-    truncated_no_loss: int  # ...of which no labelled token survived (wasted rows: raise --seq)
+    truncated_no_loss: int  # ...of which no labelled token survived: dropped (raise --seq)
     fmt: str             # "chat" | "prompt_completion" | "mixed"
 
     @property
@@ -264,7 +264,11 @@ def pack_examples(examples: list[tuple[np.ndarray, np.ndarray]], seq: int, pad_i
     for k, (ids, lab) in enumerate(examples):
         if len(ids) > seq:
             cut.append(k)
-            cut_no_loss += int((lab[1:seq] == IGNORE).all())
+            if (lab[1:seq] == IGNORE).all():
+                # nothing left to learn from it: a row of it alone would be a micro-batch
+                # with no trained token (a mean loss of 0/0), so it is dropped, and counted
+                cut_no_loss += 1
+                continue
         n = min(len(ids), seq)
         tokens += n
         j = bisect.bisect_left(free, (n, -1)) if packing else len(free)
@@ -276,6 +280,9 @@ def pack_examples(examples: list[tuple[np.ndarray, np.ndarray]], seq: int, pad_i
             rows.append([k])
         if packing and room - n > 0:
             bisect.insort(free, (room - n, r))
+    if examples and not rows:
+        raise RefusedError(f"--seq {seq}: every SFT example is longer and keeps no trained "
+                           f"token within it (the prompts alone fill it); raise --seq")
     shape = (len(rows), seq)
     out_ids, out_lab = np.full(shape, pad_id, np.int32), np.full(shape, IGNORE, np.int32)
     out_pos = np.zeros(shape, np.int32)

@@ -161,6 +161,10 @@ def test_truncation_is_counted(tmp_path, tok):
     s = train.summary()
     assert s["examples"] == 3 and s["truncated"] == 2 and s["truncated_no_loss"] == 1
     assert train.input_ids.shape[1] == 24
+    # the prompt cut before its completion is dropped: every row trains some token
+    assert ((train.labels != -100).sum(axis=1) > 0).all()
+    hello = tok("hello world " * 20)["input_ids"][:24]
+    assert not any(np.array_equal(train.input_ids[r, :24], hello) for r in range(len(train)))
     long_ids, long_lab = sft.encode_prompt_completion(long["prompt"], long["completion"], tok)
     assert len(long_ids) > 24
     row = [r for r in range(len(train)) if np.array_equal(train.input_ids[r], long_ids[:24])]

@@ -131,47 +131,72 @@ def _check_range(src: DataSource, tokens: np.ndarray, vocab_size: int) -> None:
                            f"model whose vocab_size covers it")
 
 
-class TokenLoader:
-    """Random windows of `seq`+1 tokens, `batch` at a time, as (input_ids, labels) int64.
+class EpochOrder:
+    """Which items each global batch takes: 0..n-1 in a fresh random order each epoch (numpy
+    Generator seeded with (seed, epoch)), so the position is two integers (epoch, index) and
+    a resumed run takes exactly the items an uninterrupted run would.
 
-    Data parallel: with ``world`` ranks, each batch is the same global batch on every rank
-    and rank ``rank`` gets its ``batch / world`` rows (contiguous); the position (and the
-    state_dict) stays the global one, so a run resumes with any number of ranks."""
+    Data parallel: with ``world`` ranks every rank walks the same global batch and keeps its
+    ``batch / world`` contiguous share; the position stays the global one, so a run resumes
+    with any number of ranks. TokenLoader and sft.SFTBatches serve their items in this order."""
 
-    def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int,
-                 rank: int = 0, world: int = 1):
-        self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
+    def __init__(self, n: int, batch: int, seed: int, rank: int = 0, world: int = 1):
         assert world >= 1 and 0 <= rank < world and batch % world == 0, (rank, world, batch)
-        self.rank, self.world = rank, world
-        self.n_windows = (len(tokens) - 1) // seq
-        if self.n_windows < 1:
-            raise RefusedError(f"the data has {len(tokens)} tokens, too few for one sequence of "
-                               f"--seq {seq} (needs {seq + 1}); use a smaller --seq or more data")
+        self.n, self.batch, self.seed, self.rank, self.world = n, batch, seed, rank, world
         self.epoch, self.index = 0, 0
         self._perm_epoch, self._perm = -1, None
 
     def _order(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:
             rng = np.random.default_rng([self.seed, self.epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.n_windows), self.epoch
+            self._perm, self._perm_epoch = rng.permutation(self.n), self.epoch
         return self._perm
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_items(self) -> list[int]:
+        """This rank's items of the next global batch, in batch order."""
         mine = self.batch // self.world
         first = self.rank * mine
-        rows = np.empty((mine, self.seq + 1), dtype=np.int64)
+        picked = []
         for r in range(self.batch):
-            if self.index >= self.n_windows:
+            if self.index >= self.n:
                 self.epoch, self.index = self.epoch + 1, 0
-            start = int(self._order()[self.index]) * self.seq
+            item = int(self._order()[self.index])
             self.index += 1
             if first <= r < first + mine:
-                rows[r - first] = self.tokens[start:start + self.seq + 1]
+                picked.append(item)
+        return picked
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def restore(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+
+
+class TokenLoader:
+    """Random windows of `seq`+1 tokens, `batch` at a time, as (input_ids, labels) int64, in
+    an EpochOrder over the windows at multiples of `seq`."""
+
+    def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int,
+                 rank: int = 0, world: int = 1):
+        self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
+        self.n_windows = (len(tokens) - 1) // seq
+        if self.n_windows < 1:
+            raise RefusedError(f"the data has {len(tokens)} tokens, too few for one sequence of "
+                               f"--seq {seq} (needs {seq + 1}); use a smaller --seq or more data")
+        self.order = EpochOrder(self.n_windows, batch, seed, rank, world)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = self.order.next_items()
+        rows = np.empty((len(picked), self.seq + 1), dtype=np.int64)
+        for k, window in enumerate(picked):
+            start = window * self.seq
+            rows[k] = self.tokens[start:start + self.seq + 1]
         t = torch.from_numpy(rows)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows,
+        return {**self.order.position(), "n_windows": self.n_windows,
                 "seq": self.seq, "batch": self.batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
@@ -181,7 +206,7 @@ class TokenLoader:
                 raise RefusedError(f"the checkpoint's data position was taken with {key}="
                                    f"{state[key]}, this run has {mine[key]}; resume with the same "
                                    f"--data, --tokenizer, --seq, --batch-tokens, --grad-accum, --seed")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.order.restore(state)
 
 
 def _check_utf8(raw: bytes, path) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from . import RefusedError
+from .data import EpochOrder
 
 IGNORE = -100
 _SPLIT_STREAM = 0x5F7  # keeps the eval split's random stream apart from the batch orders
@@ -337,43 +338,22 @@ def next_token_labels(labels: torch.Tensor) -> torch.Tensor:
 
 
 class SFTBatches:
-    """Random rows, `batch` at a time, as int64 (input_ids, labels, position_ids) of [batch, seq].
-
-    Same shape as data.TokenLoader: a fresh permutation per epoch seeded with (seed, epoch), the
-    position is (epoch, index), and with `world` ranks every rank walks the same global batch
-    and keeps its `batch / world` contiguous rows, so a run resumes with any number of ranks."""
+    """Random rows, `batch` at a time, as int64 (input_ids, labels, position_ids) of [batch, seq],
+    in a data.EpochOrder over the rows: seeded per epoch, a two-integer position, every rank
+    keeping its share of the same global batch, as data.TokenLoader serves windows."""
 
     def __init__(self, data: SFTData, batch: int, seed: int, rank: int = 0, world: int = 1):
-        assert world >= 1 and 0 <= rank < world and batch % world == 0, (rank, world, batch)
         if len(data) < 1:
             raise RefusedError("the SFT data has no rows; pass a .jsonl with examples")
         self.data, self.seq, self.batch, self.seed = data, data.seq, batch, seed
-        self.rank, self.world = rank, world
         self.n_rows = len(data)
-        self.epoch, self.index = 0, 0
-        self._perm_epoch, self._perm = -1, None
-
-    def _order(self) -> np.ndarray:
-        if self._perm_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            self._perm, self._perm_epoch = rng.permutation(self.n_rows), self.epoch
-        return self._perm
+        self.order = EpochOrder(self.n_rows, batch, seed, rank, world)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mine = self.batch // self.world
-        first = self.rank * mine
-        picked = []
-        for r in range(self.batch):
-            if self.index >= self.n_rows:
-                self.epoch, self.index = self.epoch + 1, 0
-            row = int(self._order()[self.index])
-            self.index += 1
-            if first <= r < first + mine:
-                picked.append(row)
-        return self.data.rows(np.asarray(picked))
+        return self.data.rows(np.asarray(self.order.next_items()))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "n_rows": self.n_rows,
+        return {**self.order.position(), "n_rows": self.n_rows,
                 "seq": self.seq, "batch": self.batch, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
@@ -384,4 +364,4 @@ class SFTBatches:
                                    f"{state.get(key)}, this run has {mine[key]}; resume with the "
                                    f"same --data, --tokenizer, --seq, --batch-tokens, --grad-accum, "
                                    f"--seed and packing/eval settings")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.order.restore(state)

@@ -89,6 +89,7 @@ class _Entry:
     host_version: int  # p._version when the host copy was last current
     dirty: bool = False  # the device holds values the host has not seen
     updated: Any = None  # CUDA event after the last update (None on the CPU)
+    beside: bool = False  # that update ran on the step stream, not the stream in use after it
     # The gradient kept on the device where the update must wait (micro-batches under
     # accumulate(), clipping, the non-finite check): a buffer the runtime lends for good,
     # whether it holds this step's sum, and whether that sum is final (step() applies it).
@@ -118,11 +119,14 @@ class ResidentState:
 
     @staticmethod
     def _after_update(entries) -> None:
-        """The current stream waits for the last update of each entry (it may have run
-        on the step stream), before it reads or writes their state or gradient buffers."""
-        waits = {id(e.updated): (e.updated, e.master.device) for e in entries if e.updated is not None}
+        """The current stream waits for the last update of each entry that ran on the step
+        stream, before it reads or writes their state or gradient buffers (an update on the
+        compute stream is already in its order: no wait on the backward's path)."""
+        waits = {id(e.updated): (e.updated, e.master.device) for e in entries if e.beside}
         for event, device in waits.values():
             torch.cuda.current_stream(device).wait_event(event)
+        for e in entries:
+            e.beside = False
 
     def __contains__(self, p: Tensor) -> bool:
         return p in self._entries
@@ -197,12 +201,15 @@ class ResidentState:
                 functional.adamw_at_step_(
                     [master[start:start + k]], [_flat_range(scratch[:k], g, start)],
                     [m[start:start + k]], [v[start:start + k]], [e.step], **hyper)
-        event = None
-        if entries and entries[0].master.device.type == "cuda":
+        event, beside = None, False
+        device = entries[0].master.device
+        if device.type == "cuda":
+            stream = torch.cuda.current_stream(device)
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(entries[0].master.device))
+            event.record(stream)
+            beside = stream == self._streams.get(device)
         for e in entries:
-            e.dirty, e.updated = True, event
+            e.dirty, e.updated, e.beside = True, event, beside
 
     # -- gradients that wait on the device ------------------------------------------------
     def needs_buffers(self, params: Sequence[Tensor]) -> bool:

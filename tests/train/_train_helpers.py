@@ -17,6 +17,23 @@ SMALL = ["--compile", "eager", "--device", "cpu", "--precision", "fp32", "--seq"
          "--batch-tokens", "128", "--no-progress"]
 
 
+def hf_archs(vocab: int) -> dict[str, dict]:
+    """Config kwargs of tiny transformers causal LMs, one per architecture the main job is
+    tested on (`AutoConfig.for_model(arch, **kwargs)`): Llama, Qwen2 with tied embeddings,
+    Mistral, Gemma2 (soft-capped), Phi3 (fused QKV) and Qwen3-MoE (routed experts)."""
+    common = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return {
+        "llama": dict(common),
+        "qwen2": dict(common, tie_word_embeddings=True),
+        "mistral": dict(common),
+        "gemma2": dict(common, head_dim=8),
+        "phi3": dict(common, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "qwen3_moe": dict(common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          head_dim=8),
+    }
+
+
 def train(*args: str) -> int:
     return main(["train", *SMALL, *args])
 

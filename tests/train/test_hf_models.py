@@ -14,23 +14,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from _train_helpers import python_env
+from _train_helpers import hf_archs, python_env
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatrain.train import RefusedError, hf_models
 
-COMMON = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-ARCHS = {
-    "llama": dict(COMMON),
-    "qwen2": dict(COMMON, tie_word_embeddings=True),
-    "mistral": dict(COMMON),
-    "gemma2": dict(COMMON, head_dim=8),
-    "phi3": dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "qwen3_moe": dict(COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      head_dim=8),
-}
+ARCHS = hf_archs(128)
 IDS = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
 

@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-from _train_helpers import rows
+from _train_helpers import hf_archs, rows
 from safetensors.torch import load_file, save_file
 
 import megatrain
@@ -22,17 +22,7 @@ from megatrain.cli import main
 from megatrain.train import checkpoint, loop, master_weights, model_source, sft
 
 V = 320
-COMMON = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-ARCHS = {
-    "llama": dict(COMMON),
-    "qwen2": dict(COMMON, tie_word_embeddings=True),
-    "mistral": dict(COMMON),
-    "gemma2": dict(COMMON, head_dim=8),
-    "phi3": dict(COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "qwen3_moe": dict(COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      head_dim=8),
-}
+ARCHS = hf_archs(V)
 FAST = ["--device", "cpu", "--precision", "fp32", "--no-progress"]
 EAGER = ["--compile", "eager", *FAST]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

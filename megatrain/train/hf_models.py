@@ -374,7 +374,8 @@ def _read_into(f, offset: int, t: torch.Tensor) -> None:
         done += n
 
 
-def load_pretrained(folder: str | Path) -> torch.nn.Module:
+def load_pretrained(folder: str | Path, built: MetaModel | None = None,
+                    report: WeightReport | None = None) -> torch.nn.Module:
     """The folder's weights in an fp32 CPU model (train mode), by transformers' own loader.
 
     Why not `from_pretrained(folder)`: it memory-maps every shard and keeps the maps open to
@@ -383,10 +384,15 @@ def load_pretrained(folder: str | Path) -> torch.nn.Module:
     weights, buffers) gets `_Lazy` tensors instead, and the peak is the fp32 model plus the
     few tensors being read (tests/train/test_hf_models.py measures it). Whatever transformers
     reports missing, unexpected or mismatched is refused, never randomly initialised.
+    `built` and `report`: the folder's `build_meta` and `check_weights`, where the caller
+    already made them (the main job checks before any work), so they are not made again.
     """
     tf = require_transformers()
-    meta, config, _ = build_meta(folder)
-    report = check_weights(meta, folder)
+    if built is None:
+        built = build_meta(folder)
+    meta, config = built.model, copy.deepcopy(built.config)
+    if report is None:
+        report = check_weights(meta, folder)
     if not report.files:
         raise RefusedError(f"--model {folder}: has no safetensors weights ({SINGLE} or "
                            f"{INDEX}); nothing to load")

@@ -129,6 +129,7 @@ class TransformersModel:
         self.name = self.folder.name
         self.master = save_dtype == "bf16"
         self.files: list[Path] = []
+        self._report: hf_models.WeightReport | None = None   # check()'s, reused by build()
         self.pretrained = False
         # position ids restarting per example make transformers mask across packed examples
         forward = inspect.signature(type(self.built.model).forward).parameters
@@ -140,7 +141,7 @@ class TransformersModel:
 
     def check(self) -> str:
         """The weights against the model, from the file headers; a line for the log."""
-        report = hf_models.check_weights(self.built.model, self.folder)
+        report = self._report = hf_models.check_weights(self.built.model, self.folder)
         if self.master:
             master_weights.check(self.built.model, self.folder / master_weights.FILENAME)
         self.files, self.pretrained = report.files, bool(report.files)
@@ -153,7 +154,7 @@ class TransformersModel:
 
     def build(self) -> nn.Module:
         if self.files:
-            model = hf_models.load_pretrained(self.folder)
+            model = hf_models.load_pretrained(self.folder, self.built, self._report)
         else:
             model = hf_models.build_model(self.config)
         if self.master:

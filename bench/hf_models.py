@@ -44,6 +44,13 @@ MODELS: dict[str, tuple[str, str, dict]] = {
         head_dim=256, intermediate_size=9216, vocab_size=256000, tie_word_embeddings=True,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
         sliding_window=4096, max_position_embeddings=8192)),
+    # Qwen2-7B (the family of MegaTrain's own SFT runs): GQA 28/4 with q/k/v biases, a
+    # 152k vocabulary with an untied head; 7.6 G params, 122 GB of fp32 weights, gradients
+    # and AdamW moments: no 80 GB GPU holds it resident
+    "qwen2-7b": ("qwen2", "Qwen2Config", dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+        rope_theta=1000000.0, max_position_embeddings=32768)),
     # A Qwen3 mixture of experts small enough to train GPU-resident: 16 experts, 2 per token,
     # every layer sparse
     "qwen3-moe-0.7b": ("qwen3_moe", "Qwen3MoeConfig", dict(

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "weights) or bf16 (half the size; the exact fp32 "
                                         "weights kept beside them for --resume) [fp32]")
     g.add_argument("--keep", type=int, help="complete checkpoints to keep [2]")
+    g.add_argument("--no-save", dest="save", action="store_false",
+                   help="write no checkpoint, not even at the end (benchmarks, dry runs; a "
+                        "stopped run then keeps nothing)")
     g.add_argument("--resume", action="store_true", help="continue from the latest complete "
                                                          "checkpoint in --out")
     g.add_argument("--overwrite", action="store_true", help="start over in an --out that holds "

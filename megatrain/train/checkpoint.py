@@ -277,6 +277,55 @@ def save_checkpoint(out: str | Path, step: int, model: torch.nn.Module,
     return final
 
 
+# ---------------------------------------------------------------------------- disk room
+
+OPTIMIZER_BYTES_PER_PARAM = 8     # AdamW's two fp32 moments, megatrain's and torch's alike
+SLACK_BYTES = 64 << 20            # config, tokenizer, rng, manifest and pickling overhead
+
+
+def checkpoint_bytes(n_params: int, weight_bytes_per_param: int) -> int:
+    """What one checkpoint folder takes on disk: the weights as saved plus the optimizer's
+    moments (`optimizer.pt`), plus a little for the small files."""
+    return n_params * (weight_bytes_per_param + OPTIMIZER_BYTES_PER_PARAM) + SLACK_BYTES
+
+
+def save_steps(start: int, end: int, save_every: int) -> int:
+    """How many checkpoints a run from `start` to `end` writes: every `save_every` steps
+    and the last (a signal's save replaces a later one, never adds one)."""
+    if end <= start:
+        return 0
+    regular = {s for s in range(start + 1, end + 1) if save_every and s % save_every == 0}
+    return len(regular | {end})
+
+
+def check_disk_room(out: Path, one: int, saves: int, keep: int) -> None:
+    """Refuse before any work when the disk holding `out` cannot take what the run will
+    write: a new checkpoint is written whole before the oldest beyond `keep` is pruned, so
+    at the peak the run's own folders number min(held + saves, keep + 1), `held` being the
+    complete ones already in `out` (a resumed run's)."""
+    if saves <= 0:
+        return
+    held = list_checkpoints(out)
+    held_bytes = sum(_folder_bytes(f) for _, f in held)
+    peak_new = max(0, min(len(held) + saves, keep + 1) * one - held_bytes)
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if peak_new > free:
+        copies = min(len(held) + saves, keep + 1)
+        raise RefusedError(
+            f"--out {out}: a checkpoint of this model takes {one / 1e9:,.1f} GB and this run "
+            f"holds up to {copies} at once (--keep {keep}, plus the one being written), "
+            f"{peak_new / 1e9:,.1f} GB more than now, but the disk there has "
+            f"{free / 1e9:,.1f} GB free; point --out at a disk with room, lower --keep, "
+            f"or pass --no-save (no checkpoints: a stopped run keeps nothing)")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
 # -------------------------------------------------------------------------------- verify
 
 def verify_checkpoint(path: str | Path, checksums: bool = True) -> str | None:

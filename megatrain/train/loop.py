@@ -230,6 +230,12 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
     avail = host_store.available_host_bytes() if available_bytes is None else available_bytes()
     say(mplan.table(avail))
     plan.check_fits(mplan, avail)
+    start_step = int(checkpoint.read_state(ckpt)["step"]) if ckpt is not None else 0
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start_step + cfg.stop_after)
+    if cfg.save and dinfo.is_main:
+        one = checkpoint.checkpoint_bytes(n_params, source.saved_bytes_per_param(cfg.save_dtype))
+        checkpoint.check_disk_room(
+            out, one, checkpoint.save_steps(start_step, end, cfg.save_every), cfg.keep)
     # reading the data checks it (bad lines, ids outside the vocabulary): still before any work
     fed = feed.load(cfg, src, tok, source, micro_batch, dinfo.rank, dinfo.world_size, sft_data)
 
@@ -246,7 +252,12 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
+    t_load = time.perf_counter()
     model = source.build()
+    load_s, load_peak = time.perf_counter() - t_load, metrics.peak_rss_bytes()
+    if source.pretrained:
+        say(f"loaded the weights in {load_s:.1f} s; host RSS peak so far "
+            f"{plan.fmt_bytes(load_peak)}")
     device = torch.device(cfg.device)
     if cfg.compile == "eager":
         model.to(device)
@@ -264,7 +275,9 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
     step_fn = compile_model(model, cfg)
     saved_cfg = {k: v for k, v in asdict(cfg).items() if k not in TRANSIENT}
 
-    def save(step: int) -> Path:
+    def save(step: int) -> Path | None:
+        if not cfg.save:
+            return None
         state = {"tokens_seen": tokens_seen, "data": loader.state_dict(), "config": saved_cfg,
                  **source.state(cfg.save_dtype), "torch_version": torch.__version__,
                  "optimizer": opt_kind, "time": time.time()}
@@ -277,7 +290,6 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
             out, step, model, saved_opt, state, None, keep=cfg.keep, say=say,
             write_model=lambda folder: source.save(model, folder, tok, cfg.save_dtype))
 
-    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     if end <= start:
         say(f"nothing to do: {out} is at step {start} of --steps {cfg.steps}; raise --steps to "
             f"train further")
@@ -365,7 +377,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                 last_ckpt = save(step)
                 raise interrupts.TrainingInterrupted(
                     f"{stop.requested}: stopped after step {step} and saved it ({last_ckpt}); "
-                    f"--resume continues from step {step + 1}")
+                    f"--resume continues from step {step + 1}" if last_ckpt else
+                    f"{stop.requested}: stopped after step {step}; --no-save: nothing saved")
             if cfg.save_every and step % cfg.save_every == 0 and step != end:
                 last_ckpt = save(step)
     except KeyboardInterrupt:  # a second signal: stop now, keep the last complete checkpoint
@@ -386,7 +399,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                "step_time_s": float(np.mean(steady)) if steady else None,
                "predicted_step_s": predicted_s, "checkpoint": str(last_ckpt) if last_ckpt else None,
                "plot": str(png) if png else None, "out": str(out),
-               "wall_s": time.perf_counter() - t_run}
+               "wall_s": time.perf_counter() - t_run, "load_s": load_s,
+               "load_peak_rss_bytes": load_peak}
     if losses:
         say(f"done: step {end}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s, step {plan.fmt_seconds(summary['step_time_s'])}"

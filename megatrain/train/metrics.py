@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -53,6 +54,16 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._fh.close()
+
+
+def peak_rss_bytes() -> int:
+    """The process's highest resident set so far (0 where the OS does not say)."""
+    try:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return 0
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)   # bytes on macOS, KiB else
 
 
 def host_rss_bytes() -> int:

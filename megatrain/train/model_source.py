@@ -111,6 +111,9 @@ class MegatrainLlama:
     def state(self, save_dtype: str) -> dict:
         return {"weights": self.kind, "model_config": asdict(self.lcfg)}
 
+    def saved_bytes_per_param(self, save_dtype: str) -> int:
+        return 4   # fp32 weights, which --resume reads
+
 
 class TransformersModel:
     """A transformers causal LM built from a folder (hf_models): its safetensors when there
@@ -181,6 +184,9 @@ class TransformersModel:
                 logs.enable_progress_bar()
         if save_dtype == "bf16":
             master_weights.save(model, folder)
+
+    def saved_bytes_per_param(self, save_dtype: str) -> int:
+        return 4 if save_dtype == "fp32" else 2 + 4   # bf16 shards and the fp32 master beside
 
     def state(self, save_dtype: str) -> dict:
         return {"weights": self.kind, "save_dtype": save_dtype,

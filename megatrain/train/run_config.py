@@ -55,6 +55,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     stop_after: int | None = None       # stop after this many steps of this invocation
+    save: bool = True                   # False (--no-save): write no checkpoint at all
     progress: bool = True
 
 
@@ -62,7 +63,7 @@ class TrainConfig:
 # fields that only steer this invocation are not saved with the run.
 IDENTITY = ("model", "data", "tokenizer", "data_dtype", "seq", "batch_tokens", "grad_accum", "seed",
             "packing", "eval_fraction")
-TRANSIENT = ("resume", "overwrite", "stop_after", "progress", "out")
+TRANSIENT = ("resume", "overwrite", "stop_after", "progress", "out", "save")
 
 
 def backend_options(cfg: TrainConfig) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -72,9 +73,29 @@ def test_checkpoint_contents(tmp_path):
     rng = torch.load(ckpt / "rng.pt", weights_only=True)
     assert {"torch", "python", "numpy", "cuda"} <= set(rng)
     assert "model.layers.0.self_attn.q_proj.weight" in _weights(ckpt)
+    # the disk check's estimate is what a checkpoint takes (fp32 weights + AdamW's moments)
+    n_params = sum(t.numel() for t in _weights(ckpt).values())
+    held = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    estimate = checkpoint.checkpoint_bytes(n_params, 4)
+    assert held <= estimate and 0.97 < (estimate - checkpoint.SLACK_BYTES) / held <= 1.0
     # an existing run is not overwritten by accident
     assert train("--steps", "3", "--out", str(out)) == 2
     assert train("--steps", "3", "--out", str(out), "--overwrite") == 0
+
+
+def test_no_save_and_the_disk_check(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    assert train("--steps", "2", "--out", str(out), "--no-save") == 0
+    assert len(rows(out)) == 2 and not checkpoint.list_checkpoints(out)
+    # a disk that cannot hold the run's checkpoints is refused before any work
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(
+        1 << 40, (1 << 40) - (1 << 20), 1 << 20))    # 1 MiB free
+    fresh = tmp_path / "fresh"
+    assert train("--steps", "4", "--save-every", "1", "--keep", "2", "--out", str(fresh)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {fresh}" in err and "holds up to 3 at once" in err and "--no-save" in err
+    assert "0.0 GB free" in err and not fresh.exists()
+    assert train("--steps", "2", "--out", str(fresh), "--no-save") == 0   # nothing to write
 
 
 def test_compile_path_passes_options(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """megatrain.AdamW: the host optimizer, usable alone or fed region by region by the runtime.
 
 Host memory per parameter is the fp32 master (the parameter itself) plus fp32 ``exp_avg``
-and ``exp_avg_sq``: 12 bytes. A gradient buffer (4 more) exists only for parameters whose
-update has to wait: gradient accumulation, clipping or the non-finite check.
+and ``exp_avg_sq``: 12 bytes. A gradient buffer (4 more, or 2 for a bf16 gradient held as
+it came) exists only for parameters whose update has to wait: gradient accumulation,
+clipping or the non-finite check.
 
 Numerics: the update is ``torch._fused_adamw_``, so results are bitwise those of
 ``torch.optim.AdamW(fused=True)`` on the CPU and within rounding (~1e-7 relative per step) of
@@ -36,6 +37,7 @@ from megatrain.optim.deferral import Deferred, Promises
 from megatrain.optim.device_side import DeviceSide
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.host_updates import HostUpdates
+from megatrain.optim.narrow_grads import NarrowGrads
 from megatrain.optim.resident import ResidentState
 from megatrain.optim.shadows import Shadows
 
@@ -73,7 +75,12 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
       ``max_grad_norm`` or ``skip_nonfinite`` need every gradient first. Then the gradient
       is summed into ``p.grad`` (an optimizer-owned buffer, allocated on first use and
       recycled across steps: clone ``p.grad`` to keep it past ``zero_grad()``;
-      ``release_grad_buffers()`` stops the recycling) and ``step()`` applies it.
+      ``release_grad_buffers()`` stops the recycling) and ``step()`` applies it. A final
+      gradient in a lower precision than its parameter (the runtime's bf16) with nothing
+      to sum it with (no ``p.grad``, outside ``accumulate()``) is held by the optimizer in
+      its own dtype instead, in a recycled buffer of half the bytes: ``p.grad`` stays None
+      for it, ``step()`` consumes it (upcast exactly: the same bits as the fp32 buffer)
+      and ``zero_grad()`` drops it.
     - Hyperparameters are read when a gradient is submitted: change ``lr`` before backward,
       as an LR scheduler stepped after ``opt.step()`` does.
     - ``wait_params(params)`` blocks until queued work on ``params`` is done (before the
@@ -152,6 +159,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         self._final: dict[Tensor, bool] = {}  # final grad submitted this step -> applied?
         self._norms: dict[Tensor, tuple[Tensor, int, Tensor]] = {}  # grad, version, norm
         self._grad_buffers: dict[Tensor, Tensor] = {}
+        self._narrow = NarrowGrads()  # final low-precision gradients held for step()
         self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
         self._device_updates: device_update.DeviceUpdater | None = None  # made on first use
         self._promises = Promises()  # defer()'s updates, not yet queued or waited for
@@ -256,7 +264,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
                     "this step; call opt.step() between steps"
                 )
         self.wait_params(params)
-        if any(p.grad is not None for p in params):
+        if any(map(self._has_grad, params)):
             return None
         self._leave_device(params)
         groups = {self._where[p][0] for p in params}
@@ -311,9 +319,18 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         self._worker.wait_all()
 
     def release_grad_buffers(self) -> None:
-        """Stop recycling gradient buffers (their memory goes once ``p.grad`` is cleared)."""
+        """Stop recycling gradient buffers (their memory goes once ``p.grad`` is cleared, or
+        a held gradient consumed)."""
         self._wait_everything()
         self._grad_buffers.clear()
+        self._narrow.release()
+
+    def grad_buffer_bytes(self) -> int:
+        """Host bytes of the gradient buffers this optimizer keeps: fp32 ``p.grad`` buffers
+        and gradients held in their own precision (waits for queued work first)."""
+        self._wait_everything()
+        fp32 = sum(b.numel() * b.element_size() for b in self._grad_buffers.values())
+        return fp32 + self._narrow.nbytes()
 
     # ---- weight shadows (optim/shadows.py) -----------------------------------------
 
@@ -344,9 +361,10 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Wait for submitted work, then apply what remains: gradients in ``p.grad`` not yet
-        applied (deferred by accumulation, clipping or the finiteness check, or left there
-        by autograd), with clipping and the non-finite skip over all of them."""
+        """Wait for submitted work, then apply what remains: gradients in ``p.grad`` (or held
+        in their own precision) not yet applied (deferred by accumulation, clipping or the
+        finiteness check, or left there by autograd), with clipping and the non-finite skip
+        over all of them."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -385,6 +403,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         finally:
             self._final.clear()
             self._norms.clear()
+            self._narrow.consumed()
             self._regions.clear()
             self._promises.end_step(fresh)
         return loss
@@ -415,6 +434,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         if not set_to_none:
             self._wait_everything()
         super().zero_grad(set_to_none)
+        self._narrow.zero_grad(set_to_none)
         self._resident.clear_grads()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -45,8 +45,8 @@ NEEDS_BUFFERS = Declined("resident gradients must wait on the device: lend them 
 
 class DeviceSide:
     """Mixed into megatrain.AdamW (see the module docstring). Besides the attributes below
-    it uses AdamW's ``wait_params``, ``_describe``, ``_hyper``, ``_split_by_group`` and
-    ``_hands_in_its_own_way``."""
+    it uses AdamW's ``wait_params``, ``_describe``, ``_hyper``, ``_split_by_group``,
+    ``_has_grad`` and ``_hands_in_its_own_way``."""
 
     param_groups: list[dict[str, Any]]
     state: Any
@@ -147,11 +147,11 @@ class DeviceSide:
                     f"{self._describe(p)} already received its last gradient for this step; "
                     "call opt.step() between steps"
                 )
-            if p.grad is not None:
+            if self._has_grad(p):
                 return (
-                    f"{self._describe(p)} has a gradient in p.grad (micro-batches summed "
-                    "under accumulate(), or autograd's) that lives on the host and that the "
-                    "device update would ignore; use submit(), or zero_grad() first"
+                    f"{self._describe(p)} has a gradient on the host (in p.grad: micro-"
+                    "batches summed under accumulate(), or autograd's; or held for step()) "
+                    "that the device update would ignore; use submit(), or zero_grad() first"
                 )
         return None
 

@@ -37,6 +37,7 @@ def adamw_(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     shadows: list[Tensor | None] | None = None,
+    scale: Tensor | None = None,
     **hyper: float,
 ) -> None:
     """One AdamW step in place (hyper: lr, beta1, beta2, weight_decay, eps). Every grad
@@ -52,11 +53,16 @@ def adamw_(
     ``shadows``: per parameter None or a contiguous lower-precision tensor of its shape
     (the streamer's bf16 weight shadow) that receives the updated values, cast chunk by
     chunk right after each chunk's update. Meant to find the chunk still in cache; on the
-    CPUs tried it ran slightly slower than a separate cast pass after the update."""
+    CPUs tried it ran slightly slower than a separate cast pass after the update.
+
+    ``scale``: a 0-dim factor in the parameters' dtype (the clip coefficient) for the
+    gradients in a lower precision, multiplied in after their upcast: the bits of
+    ``grad.float().mul_(scale)``. Gradients in their parameter's dtype are the caller's to
+    scale (in place, as ``clip_grad_norm_`` does)."""
     if not params:
         return
     torch._foreach_add_(steps, 1)
-    adamw_at_step_(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, **hyper)
+    adamw_at_step_(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, scale, **hyper)
 
 
 def adamw_at_step_(
@@ -66,6 +72,7 @@ def adamw_at_step_(
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
     shadows: list[Tensor | None] | None = None,
+    scale: Tensor | None = None,
     **hyper: float,
 ) -> None:
     """``adamw_`` with the step counts already advanced: what pieces of one parameter
@@ -82,7 +89,8 @@ def adamw_at_step_(
     if whole:
         _fused(*(pick(ts, whole) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps)), hyper)
     rest = sorted(set(range(len(params))) - set(whole))
-    _adamw_chunked(*(pick(ts, rest) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps, shadows)), hyper)
+    _adamw_chunked(*(pick(ts, rest) for ts in (params, grads, exp_avgs, exp_avg_sqs, steps, shadows)), hyper,
+                   scale)
 
 
 def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
@@ -92,9 +100,10 @@ def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, hyper) -> None:
     )
 
 
-def _adamw_chunked(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, hyper) -> None:
+def _adamw_chunked(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, hyper, scale=None) -> None:
     """Fused AdamW over batches of at most UPCAST_CHUNK elements: gradients in a lower
-    precision are first copied (upcast) into the scratch, and each piece's shadow, if it
+    precision are first copied (upcast) into the scratch (and multiplied by ``scale``
+    there, if given), and each piece's shadow, if it
     has one, gets the piece's new values right after the batch's update. Steps were
     already incremented: each chunk of a parameter passes that parameter's step tensor."""
     chunk = UPCAST_CHUNK
@@ -114,6 +123,8 @@ def _adamw_chunked(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, hyper) 
             if g.dtype != p.dtype:
                 g = scratch[off:off + g.numel()].copy_(g)
                 off += g.numel()
+                if scale is not None:
+                    g.mul_(scale)
             gs.append(g)
         _fused(ps, gs, ms, vs, ss, hyper)
         for p, sh in zip(ps, shs):
@@ -125,7 +136,11 @@ def _adamw_chunked(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, hyper) 
 
     for p, g, m, v, s, sh in zip(params, grads, exp_avgs, exp_avg_sqs, steps, shadows):
         if not all(t.is_contiguous() for t in (p, g, m, v)):
-            _fused([p], [g.to(p.dtype)], [m], [v], [s], hyper)
+            if g.dtype != p.dtype:
+                g = g.to(p.dtype)
+                if scale is not None:
+                    g.mul_(scale)
+            _fused([p], [g], [m], [v], [s], hyper)
             if sh is not None:
                 sh.copy_(p)
             continue
@@ -161,7 +176,12 @@ def like_param(grad: Tensor, param: Tensor) -> Tensor:
 
 
 def grad_norm(grad: Tensor) -> Tensor:
-    """The per-tensor 2-norm exactly as clip_grad_norm_(foreach=False) computes it."""
+    """The per-tensor 2-norm exactly as clip_grad_norm_(foreach=False) computes it. A
+    16-bit gradient (held for an fp32 parameter, optim/narrow_grads.py) is upcast first, to
+    a temporary: the very op on the very fp32 values an fp32 buffer would hold, whatever
+    the reduction would do with a 16-bit input."""
+    if grad.dtype in (torch.bfloat16, torch.float16):
+        grad = grad.float()
     return torch.linalg.vector_norm(grad, 2.0)
 
 

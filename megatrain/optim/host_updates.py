@@ -4,11 +4,14 @@ queues there in which order.
 Two halves, one concern (gradients meeting fp32 state in host memory):
 
 - Worker tasks, run on the optimizer's one host thread (optim/engine.py): sum gradients
-  into ``p.grad`` like autograd would (``_accumulate_region``/``_accumulate_pieces``), or
+  into ``p.grad`` like autograd would (``_accumulate_region``/``_accumulate_pieces``; a
+  final low-precision gradient with nothing to sum waits in its own dtype instead,
+  optim/narrow_grads.py), or
   apply them at once (``_apply_region``/``_apply_pieces``), through ``_update``, the one
   place the fused kernel (optim/functional.py) is called with the moments and step counts
   (``_state_of``) and weight shadows (optim/shadows.py) of the host path.
-- step()'s plan: which gradients still wait in ``p.grad`` (``_pending_grads``), their norms
+- step()'s plan: which gradients still wait in ``p.grad`` or held in their own dtype
+  (``_pending_grads``), their norms
   for clipping and the non-finite check (``_grad_norms``, ``_skip``, ``_in_group_order``),
   and the order the updates are queued in (``_update_order``: the next forward's fetch
   order).
@@ -31,6 +34,7 @@ from torch import Tensor
 from megatrain.memory.host_store import host_zeros_like
 from megatrain.optim import checks, functional
 from megatrain.optim.engine import HostWorker
+from megatrain.optim.narrow_grads import NarrowGrads, narrower
 from megatrain.optim.shadows import Shadows
 
 # One group's tensors, as the fused kernel takes them: (params, grads).
@@ -39,7 +43,8 @@ Parts = dict[int, tuple[list[Tensor], list[Tensor]]]
 
 class HostUpdates:
     """Mixed into megatrain.AdamW (see the module docstring); uses its ``param_groups``,
-    ``state``, ``_where`` and ``_describe``/``_label`` and the bookkeeping below."""
+    ``state``, ``_where``, ``_describe``/``_label``, ``_hands_in_its_own_way`` and the
+    bookkeeping below."""
 
     param_groups: list[dict[str, Any]]
     state: Any
@@ -51,6 +56,7 @@ class HostUpdates:
     _grad_buffers: dict[Tensor, Tensor]
     _regions: list[list[Tensor]]  # streamed final submits waiting for step(), in order
     _piece_fresh: dict[Tensor, bool]  # param -> p.grad started empty (worker)
+    _narrow: NarrowGrads  # final gradients waiting for step() in their own dtype
     _shadows: Shadows
 
     # ---- gradients, grouped for the kernel ----------------------------------------
@@ -77,13 +83,20 @@ class HostUpdates:
     # ---- step()'s plan --------------------------------------------------------------
 
     def _pending_grads(self) -> Parts:
-        """Per group, the params whose ``p.grad`` is still to be applied, in group order."""
+        """Per group, the params whose ``p.grad`` (or held gradient, optim/narrow_grads.py)
+        is still to be applied, in group order. A ``p.grad`` set after a gradient was held
+        (autograd's) is summed with it, as autograd would have summed into the fp32 buffer."""
         work: Parts = {}
+        held = self._narrow.held
         for gi, group in enumerate(self.param_groups):
             ps, gs = [], []
             for i, p in enumerate(group["params"]):
                 g = p.grad
-                if g is None or self._final.get(p, False):
+                if self._final.get(p, False):
+                    continue
+                if p in held:
+                    g = held[p] if g is None else g.add_(self._narrow.take(p))
+                if g is None:
                     continue
                 if not (p.dtype == torch.float32 and p.is_cpu and checks.grad_ok(g, p)):
                     name = self._label(group, gi, i, p)
@@ -194,14 +207,19 @@ class HostUpdates:
         hyper: dict[str, float],
         coef: Tensor | None,
     ) -> None:
-        """Worker: clip (in place, like clip_grad_norm_) and apply one AdamW step."""
-        if coef is not None:
-            for g in grads:
+        """Worker: clip (in place, like clip_grad_norm_) and apply one AdamW step. A
+        gradient in a lower precision than its parameter (held, optim/narrow_grads.py) is
+        clipped in the parameter's precision after its upcast, inside the update."""
+        laid = []
+        for p, g in zip(params, grads):
+            if g.dtype != p.dtype and not functional.same_layout(g, p):
+                g = functional.like_param(g, p)  # an upcast copy: clipped below, like fp32
+            if coef is not None and g.dtype == p.dtype:
                 g.mul_(coef)
-        grads = [functional.like_param(g, p) for p, g in zip(params, grads)]
+            laid.append(functional.like_param(g, p))
         exp_avgs, exp_avg_sqs, steps = self._state_of(params)
         shadows = [self._shadows.get(p) for p in params] if self._shadows else None
-        functional.adamw_(params, grads, exp_avgs, exp_avg_sqs, steps, shadows, **hyper)
+        functional.adamw_(params, laid, exp_avgs, exp_avg_sqs, steps, shadows, coef, **hyper)
         if shadows:
             self._shadows.mark(params, self.state)
 
@@ -238,31 +256,62 @@ class HostUpdates:
 
     def _accumulate_pieces(self, work: dict[int, list[tuple]], final: bool) -> None:
         """Worker: pieces summed into p.grad like ``_accumulate_region`` (a parameter whose
-        p.grad was empty at its first piece gets its pieces copied, not added)."""
+        p.grad was empty at its first piece gets its pieces copied, not added; final
+        low-precision ones into a held buffer of their dtype, as ``_holds_narrow`` says)."""
+        narrow = self._narrow
         for items in work.values():
             for p, start, g, first, last in items:
                 if first:
                     self._piece_fresh[p] = p.grad is None
-                    if p.grad is None:
+                    if final and self._holds_narrow(p, g):
+                        narrow.start(p, g.dtype)
+                    elif p.grad is None:
                         p.grad = self._grad_buffer(p)
-                dst = p.grad.view(-1)[start:start + g.numel()]
-                dst.copy_(g) if self._piece_fresh[p] else dst.add_(g)
+                end = start + g.numel()
+                buf = narrow.filling.get(p)
+                if buf is not None and g.dtype != buf.dtype:
+                    # a piece in another dtype: go on in fp32 from the exact upcast so far
+                    p.grad = self._grad_buffer(p)
+                    p.grad.view(-1)[:start].copy_(buf.view(-1)[:start])
+                    narrow.forget(p)
+                    buf = None
+                if buf is not None:
+                    buf.view(-1)[start:end].copy_(g)
+                else:
+                    dst = p.grad.view(-1)[start:end]
+                    dst.copy_(g) if self._piece_fresh[p] else dst.add_(g)
                 if last:
                     del self._piece_fresh[p]
+                    narrow.filling.pop(p, None)
                     if final:
-                        self._norms[p] = (p.grad, p.grad._version, functional.grad_norm(p.grad))
+                        grad = p.grad if buf is None else buf
+                        self._norms[p] = (grad, grad._version, functional.grad_norm(grad))
 
     def _accumulate_region(self, params: list[Tensor], grads: list[Tensor], final: bool) -> None:
         """Worker: sum into p.grad like autograd (copy when empty, else add: the same bits
         as eager accumulation); for a final gradient also take its norm now, overlapped
         with the caller's compute, for clipping or the finiteness check in step()."""
         for p, g in zip(params, grads):
+            if final and self._holds_narrow(p, g):
+                held = self._narrow.hold(p, g)
+                self._norms[p] = (held, held._version, functional.grad_norm(held))
+                continue
             if p.grad is None:
                 p.grad = self._grad_buffer(p).copy_(g)
             else:
                 p.grad.add_(g)
             if final:
                 self._norms[p] = (p.grad, p.grad._version, functional.grad_norm(p.grad))
+
+    def _holds_narrow(self, p: Tensor, g: Tensor) -> bool:
+        """Worker, for a final gradient: whether it waits for step() in its own, lower
+        precision (optim/narrow_grads.py): nothing summed for ``p`` this step (no p.grad),
+        and an optimizer whose step() reads held gradients (not a subclass's own way)."""
+        return p.grad is None and narrower(g, p) and not self._hands_in_its_own_way()
+
+    def _has_grad(self, p: Tensor) -> bool:
+        """A gradient of ``p`` waits on the host: in p.grad, or held."""
+        return p.grad is not None or p in self._narrow
 
     def _grad_buffer(self, p: Tensor) -> Tensor:
         """Worker: ``p``'s recycled gradient buffer, allocated on first use (the 4 bytes per

@@ -224,7 +224,7 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         tokens=micro_batch // dinfo.world_size * cfg.seq, seq=cfg.seq, grad_accum=cfg.grad_accum,
         precision=cfg.precision, device=cfg.device, compile=cfg.compile, optimizer=opt_kind,
         clip=cfg.clip, gpu_memory=plan.parse_bytes(cfg.gpu_memory),
-        data_bytes=feed.data_bytes(src, sft_data, tok))
+        data_bytes=feed.data_bytes(src, sft_data, tok), saves=cfg.save)
     mplan = plan.plan_memory(meta, pcfg)
     del meta
     avail = host_store.available_host_bytes() if available_bytes is None else available_bytes()

@@ -61,6 +61,7 @@ class PlanConfig:
     slots: int = 3                # weight slots on the device (double buffer + one in use)
     data_bytes: int = 0
     checkpoint_shard_bytes: int = 4 * GiB
+    saves: bool = True            # False (--no-save): no checkpoint shard buffer
 
 
 @dataclass
@@ -179,7 +180,7 @@ def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
     scores = T * heads * cfg.seq * 4 * 2 if on_cpu else 0   # math SDPA materialises T x T
     logits = T * vocab * (cb + 4 + 4)
     plan = MemoryPlan(n_params=n, n_matmul_params=n_matmul, n_layers=L, largest_unit=unit, cfg=cfg)
-    shard = min(cfg.checkpoint_shard_bytes, 4 * n)
+    shard = min(cfg.checkpoint_shard_bytes, 4 * n) if cfg.saves else 0
 
     if cfg.compile == "eager":
         dev = {"fp32 weights": 4 * n, "gradients (fp32)": 4 * n, "AdamW moments m, v": 8 * n}
@@ -190,8 +191,10 @@ def plan_memory(model: nn.Module, cfg: PlanConfig) -> MemoryPlan:
         host = {"data (tokens in RAM)": cfg.data_bytes, "checkpoint shard buffer": shard}
     else:
         host = {"fp32 master weights": 4 * n, "AdamW moments m, v (fp32)": 8 * n}
-        if cfg.optimizer != "megatrain" or cfg.grad_accum > 1 or cfg.clip:
+        if cfg.optimizer != "megatrain" or cfg.grad_accum > 1:
             host["gradients p.grad (fp32)"] = 4 * n
+        elif cfg.clip:   # held for the global norm in the dtype they arrive in (exact)
+            host[f"gradients held for the clip ({cfg.precision})"] = cb * n
         # gradient slabs: two, more only from spare RAM while the optimizer lags (grad_slabs.py)
         host["pinned staging slabs (more from spare RAM if the optimizer lags)"] = \
             cfg.slots * unit * cb + 2 * unit * 4

@@ -26,6 +26,15 @@ def test_host_bytes_per_parameter():
     compat = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda", optimizer="torch"))
     assert compat.host["gradients p.grad (fp32)"] == 4 * n
     assert compat.host_needed == compat.host_total              # device memory is separate
+    # clipping holds each gradient until the norm is known: bf16 as handed in, fp32 summed
+    clipped = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda", clip=1.0))
+    assert clipped.host["gradients held for the clip (bf16)"] == 2 * n
+    summed = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda", clip=1.0,
+                                           grad_accum=2))
+    assert summed.host["gradients p.grad (fp32)"] == 4 * n
+    assert "checkpoint shard buffer" in fast.host
+    unsaved = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cuda", saves=False))
+    assert fast.host_total - unsaved.host_total == fast.host["checkpoint shard buffer"]
     cpu = plan_memory(model, PlanConfig(tokens=4096, seq=256, device="cpu", compile="eager"))
     assert cpu.host_needed == cpu.host_total + cpu.device_total  # the CPU is the device
 

@@ -61,14 +61,8 @@ keep_weights: bool = False
 # Stream bf16 weights from a page-locked copy megatrain.AdamW keeps current (bf16 only).
 weight_shadow: bool = False
 
-# step()'s resident updates that had to wait (clipping, micro-batches, the non-finite
-# check) run beside the compute stream in runs of parameters, an event each, so the next
-# forward starts while later regions update; False: on the compute stream, in one go.
-# Off until measured faster on a GPU (bench/results/NOTES.md).
-step_stream: bool = False
-
 DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload", "grad_chunk",
-             "grad_slabs", "keep_weights", "weight_shadow", "step_stream")
+             "grad_slabs", "keep_weights", "weight_shadow")
 
 
 def decisions() -> dict:

@@ -29,14 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megatrain import config
 from megatrain.optim import device_update, functional
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.protocol import Declined
 from megatrain.optim.resident import ResidentState
-
-# step()'s waiting resident updates run in this many runs of parameters, an event each.
-STEP_PIECES = 16
 
 # update_resident's answer when the gradients must wait on the device and have no buffer yet.
 NEEDS_BUFFERS = Declined("resident gradients must wait on the device: lend them buffers",
@@ -180,9 +176,6 @@ class DeviceSide:
         if reason is not None:
             return reason
         dev = device_update.resolve_device(device)
-        # read here, inside the compiled call that adopts them, where a forced decision
-        # (megatrain.config.patch around the call) is in effect
-        self._resident.beside_compute = config.step_stream
         for p in params:
             if p not in self._resident:
                 self._resident.adopt(self.state, p, dev)
@@ -277,32 +270,9 @@ class DeviceSide:
             by_device.setdefault(on_device[p].device, []).append(p)
         for device, params in by_device.items():
             grads = [on_device[p] for p in params]
-            stream = self._resident.step_stream(device)
-            if stream is None:
-                self._clip_and_apply(params, grads, coef, device)
-                continue
-            stream.wait_stream(torch.cuda.current_stream(device))  # the gradients are final
-            with torch.cuda.stream(stream):
-                self._clip_and_apply(params, grads, coef, device, in_pieces=True)
-
-    def _clip_and_apply(self, params: list[Tensor], grads: list[Tensor], coef: Tensor | None,
-                        device: torch.device, in_pieces: bool = False) -> None:
-        """Clip (fp32 times a scalar is exactly rounded: the bits of g.mul_(coef) each) and
-        update; ``in_pieces`` updates STEP_PIECES runs of parameters in the order the next
-        forward fetches them (adoption order), an event each, so a fetch waits for its
-        own run only (AdamW is elementwise: the same bits as one call)."""
-        if coef is not None:
-            torch._foreach_mul_(grads, coef.to(device))
-        if not in_pieces:
+            if coef is not None:   # fp32 times a scalar is exactly rounded: g.mul_(coef)'s bits
+                torch._foreach_mul_(grads, coef.to(device))
             self._apply_resident(params, grads)
-            return
-        target = sum(g.numel() for g in grads) / STEP_PIECES
-        start, size = 0, 0
-        for k, g in enumerate(grads):
-            size += g.numel()
-            if size >= target or k == len(grads) - 1:
-                self._apply_resident(params[start:k + 1], grads[start:k + 1])
-                start, size = k + 1, 0
 
     def _apply_resident(self, params: list[Tensor], grads: list[Tensor],
                         scratch: Tensor | None = None) -> None:

@@ -89,7 +89,6 @@ class _Entry:
     host_version: int  # p._version when the host copy was last current
     dirty: bool = False  # the device holds values the host has not seen
     updated: Any = None  # CUDA event after the last update (None on the CPU)
-    beside: bool = False  # that update ran on the step stream, not the stream in use after it
     # The gradient kept on the device where the update must wait (micro-batches under
     # accumulate(), clipping, the non-finite check): a buffer the runtime lends for good,
     # whether it holds this step's sum, and whether that sum is final (step() applies it).
@@ -103,30 +102,6 @@ class ResidentState:
 
     def __init__(self) -> None:
         self._entries: dict[Tensor, _Entry] = {}
-        self._streams: dict[torch.device, Any] = {}
-        self.beside_compute = False  # megatrain.config.step_stream, read at adoption
-
-    def step_stream(self, device: torch.device):
-        """The CUDA stream ``step()``'s waiting updates run on (None off CUDA, or where
-        they run on the compute stream): beside the compute stream, so the next forward's
-        first regions compute while the later ones are still updated; each fetch waits
-        for its own parameters' events."""
-        if device.type != "cuda" or not self.beside_compute:
-            return None
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-    @staticmethod
-    def _after_update(entries) -> None:
-        """The current stream waits for the last update of each entry that ran on the step
-        stream, before it reads or writes their state or gradient buffers (an update on the
-        compute stream is already in its order: no wait on the backward's path)."""
-        waits = {id(e.updated): (e.updated, e.master.device) for e in entries if e.beside}
-        for event, device in waits.values():
-            torch.cuda.current_stream(device).wait_event(event)
-        for e in entries:
-            e.beside = False
 
     def __contains__(self, p: Tensor) -> bool:
         return p in self._entries
@@ -183,7 +158,6 @@ class ResidentState:
         entries = [self._entries[p] for p in params]
         if not entries:
             return
-        self._after_update(entries)
         grads = list(grads)
         direct = [_in_place(g) for g in grads]
         if not all(direct):
@@ -201,15 +175,13 @@ class ResidentState:
                 functional.adamw_at_step_(
                     [master[start:start + k]], [_flat_range(scratch[:k], g, start)],
                     [m[start:start + k]], [v[start:start + k]], [e.step], **hyper)
-        event, beside = None, False
+        event = None
         device = entries[0].master.device
         if device.type == "cuda":
-            stream = torch.cuda.current_stream(device)
             event = torch.cuda.Event()
-            event.record(stream)
-            beside = stream == self._streams.get(device)
+            event.record(torch.cuda.current_stream(device))
         for e in entries:
-            e.dirty, e.updated, e.beside = True, event, beside
+            e.dirty, e.updated = True, event
 
     # -- gradients that wait on the device ------------------------------------------------
     def needs_buffers(self, params: Sequence[Tensor]) -> bool:
@@ -229,7 +201,6 @@ class ResidentState:
         and contiguous is copied (upcasting is exact), or added from ``scratch`` piece by
         piece as ``update`` reads it."""
         e = self._entries[p]
-        self._after_update([e])
         if not e.has_grad:
             e.grad.copy_(grad)
             e.has_grad = True

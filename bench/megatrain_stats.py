@@ -30,6 +30,9 @@ def _megatrain_stats(step_fn) -> dict:
         return sum(s.event_seconds(pairs) for s in stats)
 
     return {"predicted_step_s": plan.predicted_step_s,
+            # the backend's compile phases in wall seconds (megatrain/compiler/phases.py);
+            # dynamo's tracing is the first step's time less these and the step itself
+            "compile_phases_s": {k: round(v, 3) for k, v in plan.compile_seconds.items()},
             # regions whose forward weights the plans keep for the backward (keep_weights)
             "kept_regions": sum(len(s.config.kept) for s in schedules),
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),

@@ -31,6 +31,7 @@ from .lower import joint_passes, lower
 from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
+from .phases import phase
 from .plan import GraphPlan
 from ..plan.search import InfeasibleBudget
 from .schedule import schedule_step
@@ -162,7 +163,14 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     opts = parse_options({**(options or {}), **kwargs})
     _warn_graph_breaks(gm)
     check_inputs(gm, example_inputs)
-    rates.measure_once(opts.device)
+    times: dict[str, float] = {}   # the graph's compile phases (phases.py), kept by its plan
+    with phase("probe", times):
+        rates.measure_once(opts.device)
+    with phase("capture", times):
+        return _backend(gm, example_inputs, opts, times)
+
+
+def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
     params = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]
     streamer = streamer_mod.Streamer(opts.device, opts.compute_dtype, opts.gpu_memory, params,
                                      grad_slabs=opts.grad_slabs)
@@ -171,17 +179,19 @@ def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **
     # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
     retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None
     try:
-        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or ())
+        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or (),
+                                       times)
     except InfeasibleBudget as unfused:
         if retry is None:
             raise
         compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
-                                                       unfused)
+                                                       unfused, times)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
-    for r in cap.regions.regions:
-        own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
-        home_parameters(own, pin=opts.device.type == "cuda")
+    with phase("homing", times):
+        for r in cap.regions.regions:
+            own = [cap.params[i] for i in cap.region_params.get(r.id, [])]
+            home_parameters(own, pin=opts.device.type == "cuda")
     # The optimizer may hold newer values than the host parameters (queued or resident
     # updates): reading the model through state_dict() makes them current first.
     module_reads.keep_state_dict_current(cap.params)
@@ -213,7 +223,7 @@ def _pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
-                             unfused: InfeasibleBudget):
+                             unfused: InfeasibleBudget, times: dict[str, float]):
     """Plan the graph again with the fused linear-cross-entropy, which never materialises the
     [tokens, vocab] logits, their fp32 upcast and their gradient: the loss region's backward
     is where a long sequence's step peaks. This is for memory, not speed: the
@@ -221,7 +231,7 @@ def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
     kernel policy (fusions.py) it is off by default and used only when the budget needs it.
     Raises the retry's InfeasibleBudget, saying the fused loss was already tried."""
     try:
-        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS)
+        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS, times)
     except InfeasibleBudget as e:
         raise InfeasibleBudget(
             f"{e} (this is with the fused linear-cross-entropy loss already applied, which never "
@@ -236,9 +246,11 @@ def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
     return compiled, plan, cap
 
 
-def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[str, ...]):
+def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[str, ...],
+             times: dict[str, float]):
     """One attempt at the whole pipeline for `gm` (edited in place) with `kernels` swapped in:
-    (compiled callable, its GraphPlan, the capture). Raises InfeasibleBudget from the planner."""
+    (compiled callable, its GraphPlan, the capture). Raises InfeasibleBudget from the planner.
+    Each phase's wall time goes into `times` (phases.py), which the plan keeps."""
     applied = ()
     if kernels:
         from . import fusions
@@ -255,7 +267,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
 
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
-                     kernels=applied)
+                     kernels=applied, compile_seconds=times)
 
     def transfers(fw, bw):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
@@ -273,12 +285,14 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
     def on_partition(fw, bw, saved):
-        transfers(fw, bw)
-        plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
-        handoffs = gradient_handoffs(bw) if bw is not None else []
-        if handoffs:
-            _share_cores(cap.params, opts)
-        configure(decide.step_plan(plan, cap, opts, streamer, handoffs, training=bw is not None))
+        with phase("planning", times):
+            transfers(fw, bw)
+            plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
+            handoffs = gradient_handoffs(bw) if bw is not None else []
+            if handoffs:
+                _share_cores(cap.params, opts)
+            configure(decide.step_plan(plan, cap, opts, streamer, handoffs,
+                                       training=bw is not None))
         return fw, bw
 
     def configure(step):
@@ -288,7 +302,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def fw_compiler(fx_gm, inputs):
         plan.forward_code = fx_gm.code
-        compiled = lower(fx_gm, inputs, opts.lowering, is_backward=False)
+        with phase("lowering", times):
+            compiled = lower(fx_gm, inputs, opts.lowering, is_backward=False)
 
         def run(args):
             streamer.begin_step()
@@ -299,16 +314,18 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def bw_compiler(fx_gm, inputs):
         plan.backward_code = fx_gm.code
-        return lower(fx_gm, inputs, opts.lowering, is_backward=True)
+        with phase("lowering", times):   # maybe at the first backward, after the backend returned
+            return lower(fx_gm, inputs, opts.lowering, is_backward=True)
 
     def inference_compiler(fx_gm, inputs):
-        transfers(fx_gm, None)
-        configure(decide.step_plan(plan, cap, opts, streamer, (), training=False))
+        with phase("planning", times):
+            transfers(fx_gm, None)
+            configure(decide.step_plan(plan, cap, opts, streamer, (), training=False))
         return fw_compiler(fx_gm, inputs)
 
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
                 else contextlib.nullcontext())
-    with autocast, noting(no_layers):
+    with autocast, noting(no_layers), phase("aot", times):
         compiled = aot_module_simplified(
             cap.gm, example_inputs,
             fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,

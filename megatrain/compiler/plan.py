@@ -32,6 +32,9 @@ class GraphPlan:
     # Every decision the runtime was built from (plan/step_plan.py); the properties below
     # that describe decisions read it, so explain and the runtime cannot disagree.
     step_plan: StepPlan | None = None
+    # Wall seconds of each compile phase of this graph (phases.py); the backward's lowering
+    # lands here when AOTAutograd compiles it, at the first backward.
+    compile_seconds: dict[str, float] = field(default_factory=dict)
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property
@@ -168,6 +171,15 @@ class Plan:
         """Predicted seconds per step: the graphs run one after another, each once."""
         times = [g.predicted_step_s for g in self.graphs if g.predicted_step_s is not None]
         return sum(times) if times else None
+
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        """Wall seconds per compile phase (phases.py), summed over the graphs."""
+        total: dict[str, float] = {}
+        for g in self.graphs:
+            for name, s in g.compile_seconds.items():
+                total[name] = total.get(name, 0.0) + s
+        return total
 
     @property
     def measured_peak_bytes(self) -> int | None:

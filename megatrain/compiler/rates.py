@@ -19,6 +19,7 @@ from .. import config
 from ..runtime import kernel_probe, probe
 from ..plan.costs import CPU, GPU_DEFAULT, Rates
 from . import op_costs
+from .phases import phase
 
 
 def cached_rates(device: torch.device) -> Rates | None:
@@ -67,7 +68,7 @@ def kernel_flop_scales(graphs, device: torch.device, rates: Rates) -> dict:
     if not shapes:
         return {}
     try:
-        with unset_fake_temporarily(), torch.enable_grad():
+        with unset_fake_temporarily(), torch.enable_grad(), phase("kernel_timing"):
             measured = kernel_probe.measured_rates(torch.device(device), list(flops), flops,
                                                    rates.flops)
     except Exception as e:  # timing sharpens a prediction; it must never stop a compile

@@ -239,7 +239,11 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
 
     info = megatrain.explain(step_fn)
     peak = f"planned peak device {fmt_bytes(info.predicted_peak_bytes)}"
+    phases = info.compile_seconds
+    compiled = ("; compile " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                         sorted(phases.items(), key=lambda kv: -kv[1]))
+                if phases else "")
     step_s = info.predicted_step_s if not device.startswith("cpu") else None
     if step_s is None:
-        return f"plan: {peak}", None
-    return f"plan: predicted step {fmt_seconds(step_s)}, {peak}", step_s
+        return f"plan: {peak}{compiled}", None
+    return f"plan: predicted step {fmt_seconds(step_s)}, {peak}{compiled}", step_s

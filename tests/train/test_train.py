@@ -138,7 +138,8 @@ def test_resume_is_bit_exact_with_the_megatrain_backend(tmp_path):
     p = run_module(*common, "--out", str(b), "--resume", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     # the backend's plan, once; on the CPU device without a step prediction (plan_summary)
-    assert re.search(r"plan: planned peak device [0-9.]+ [KMG]iB", p.stderr)
+    assert re.search(r"plan: planned peak device [0-9.]+ [KMG]iB; compile .*lowering [0-9.]+ s",
+                     p.stderr)
     assert "predicted step" not in p.stderr and re.search(r"done: .* step [0-9.]+ m?s; checkpoint", p.stderr)
     # one device figure: the plan's; the CPU device's bytes are host RSS in the rows
     assert "estimated" not in p.stderr and all(r["device_peak_bytes"] is None for r in rows(b))

@@ -113,12 +113,25 @@ class GraphPlan:
         if self.schedule is None:
             return None
         sites = self.sites_now()
-        key = tuple(sorted(sites.items()))
+        wait = self.updates_wait
+        key = (tuple(sorted(sites.items())), wait)
         if self._sited is None or self._sited[0] != key:
             from .update_sites import timed_with_sites
             self._sited = (key, timed_with_sites(self.schedule.plan.schedule, self.schedule.rates,
-                                                 sites, self.update_params))
+                                                 sites, self.update_params, updates_wait=wait))
         return self._sited[1]
+
+    @property
+    def updates_wait(self) -> bool:
+        """Whether the optimizer these regions hand their gradients to holds every update
+        until step() (it clips, or checks for non-finite values): read now, since it is
+        the optimizer's setting, not the graph's."""
+        from ..optim.registry import sole_owner
+
+        params = self.streamer.params if self.streamer is not None else []
+        handed = [params[pid] for pids in self.update_params.values() for pid in pids]
+        opt = sole_owner(handed) if handed else None
+        return opt is not None and opt.waits_for_norm()
 
     @property
     def measured_peak_bytes(self) -> int | None:

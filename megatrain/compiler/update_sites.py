@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -155,13 +155,15 @@ def with_live_resident(sites: Mapping[int, str], live) -> dict[int, str]:
 
 
 def timed_with_sites(planned: Schedule, rates: Rates, sites: Mapping[int, str],
-                     pids: Mapping[int, Sequence[int]]) -> Schedule:
+                     pids: Mapping[int, Sequence[int]], updates_wait: bool = False) -> Schedule:
     """`planned`, the planner's schedule (every update on the host when it was chosen),
     timed as the runtime runs it with `sites` (region -> "host" | "device" | "resident",
-    `pids`: region -> its parameter ids, which are the planner's weight ids):
-    plan.problem.with_update_sites over the same configuration, so the same peak; `planned`
-    itself when every update is on the host."""
+    `pids`: region -> its parameter ids, which are the planner's weight ids) and, with
+    `updates_wait`, the host's updates after the backward's last gradient (the optimizer
+    clips: Problem.updates_wait): the same configuration, so the same peak; `planned`
+    itself when every update is on the host and none waits."""
     by_weight = {pid: site for r, site in sites.items() if site != "host" for pid in pids.get(r, ())}
-    if not by_weight:
+    if not by_weight and not updates_wait:
         return planned
-    return simulate(with_update_sites(planned.problem, by_weight), planned.config, rates, planned.steps)
+    problem = replace(planned.problem, updates_wait=True) if updates_wait else planned.problem
+    return simulate(with_update_sites(problem, by_weight), planned.config, rates, planned.steps)

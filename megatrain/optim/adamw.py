@@ -473,6 +473,9 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         model's host stream."""
         return self._worker.busy_s
 
+    def waits_for_norm(self) -> bool:
+        return self.max_grad_norm is not None or self.skip_nonfinite
+
     def prefer_threads(self, threads: int) -> None:
         """A runtime's suggestion, applied only when the user left ``threads`` unset: the
         streaming runtime asks for fewer threads than cores because the host update shares

@@ -46,6 +46,11 @@ class GradientConsumer(Protocol):
     def prefer_threads(self, threads: int) -> None:
         """Use this many host threads unless the user chose a number."""
 
+    def waits_for_norm(self) -> bool:
+        """Whether a final gradient's update waits for ``step()`` (clipping or a non-finite
+        check needs every gradient first): the planner then times the host's updates after
+        the backward, in the next forward's order, instead of beside it."""
+
     # -- updates on the compute device -------------------------------------------------
     def device_update_blocker(self, params: Iterable[Tensor] = ()) -> str | None:
         """Why these parameters cannot be updated on the device (None: they can)."""

@@ -99,6 +99,10 @@ class Problem:
     base_bytes: object = 0
     micro_batches: int = 1
     training: bool = True
+    # The host updates wait for the step's last gradient (the optimizer clips, or checks
+    # for non-finite values: it needs the global norm first) and then run in the next
+    # forward's order; False: each runs once its region's gradient is on the host.
+    updates_wait: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "regions", tuple(self.regions))

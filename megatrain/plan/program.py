@@ -301,6 +301,24 @@ def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int, kept: froze
             for w in sh.owned[d.region]:
                 for r in sh.users[w]:
                     data.append((h, Task("h2d", r, "fw", 0, d.step + 1)))
+    if sh.problem.updates_wait:
+        _updates_wait_for_norm(sh, prog)
+
+
+def _updates_wait_for_norm(sh: _Shape, prog: Program) -> None:
+    """The optimizer's step() knows the global norm only once the step's last gradient is
+    on the host: each host update starts after the step's last gradient copy (the d2h
+    stream is FIFO, so after every copy), and the host runs them in the next forward's
+    order (regions' forward order), each step's after its accumulations."""
+    last_copy = {d.step: d for d in prog.d2h if d.kind == "d2h"}
+    forward = {r.id: i for i, r in enumerate(sh.problem.regions)}
+    by_step: dict[int, list[Task]] = {}
+    for h in prog.host:
+        by_step.setdefault(h.step, []).append(h)
+    prog.host[:] = [t for s in sorted(by_step) for t in (
+        [h for h in by_step[s] if h.kind != "host_step"]
+        + sorted((h for h in by_step[s] if h.kind == "host_step"), key=lambda h: forward[h.region]))]
+    prog.data.extend((last_copy[h.step], h) for h in prog.host if h.kind == "host_step")
 
 
 _BUFFER_KINDS = {"work": "working set", "act": "boundary activations", "reload": "reloaded activations",

@@ -8,6 +8,7 @@ schedules each) and validates the result.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -201,9 +202,25 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
                      if offloadable else frozenset(),
                      kept=frozenset(data.draw(st.lists(st.sampled_from(keepable), unique=True)))
                      if keepable else frozenset())
+    problem = dataclasses.replace(problem, updates_wait=data.draw(st.booleans()))
     sched = simulate(problem, cfg, rates, steps=data.draw(st.integers(1, 3)))
     validate(sched, sched.peak_bytes)
     assert sched.peak_bytes >= min_budget(problem)
+    if problem.updates_wait:
+        _assert_updates_wait(sched)
+
+
+def _assert_updates_wait(sched):
+    """Each host update starts once its step's last gradient copy ended, and a step's
+    updates run in forward order."""
+    order = {r.id: i for i, r in enumerate(sched.problem.regions)}
+    copies = [t for t in sched.streams["d2h"] if t.kind == "d2h"]
+    steps = [t for t in sched.streams["host"] if t.kind == "host_step"]
+    for h in steps:
+        last = max(sched.end[d] for d in copies if d.step == h.step)
+        assert sched.start[h] >= last - 1e-12, (h, sched.start[h], last)
+    for a, b in zip(steps, steps[1:]):
+        assert a.step < b.step or order[a.region] < order[b.region], (a, b)
 
 
 @budget_settings(300)
@@ -386,6 +403,30 @@ def test_update_sites_take_their_weights_off_the_link_and_the_host():
     assert with_update_sites(problem, {0: "host"}) == problem
     with pytest.raises(ValueError, match="'gpu'"):
         with_update_sites(problem, {0: "gpu"})
+
+
+def test_updates_that_wait_for_the_norm_follow_the_backward():
+    """With clipping the host updates wait for the step's last gradient and then run in the
+    next forward's order: on a host-bound step the prediction grows by about the updates
+    the backward used to hide, and the peak and configuration do not move."""
+    numel = random.randint(10**6, 10**7)
+    n = random.randint(3, 6)
+    w = [Weight(i, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel) for i in range(n)]
+    regions = [RegionSpec(i, (i,), (i - 1,) if i else (), 10, 1, 1, 10**9) for i in range(n)]
+    problem = Problem(tuple(regions), tuple(w))
+    cfg = PlanConfig(2, None, 0, 1)
+    slow_host = GPU_DEFAULT.scaled(host=0.05)
+    free = simulate(problem, cfg, slow_host, steps=2)
+    waiting = simulate(dataclasses.replace(problem, updates_wait=True), cfg, slow_host, steps=2)
+    _assert_updates_wait(waiting)
+    host = sum(free.end[t] - free.start[t] for t in free.streams["host"]) / 2
+    assert host > free.compute_seconds                     # the host bounds the step
+    assert waiting.step_time > free.step_time
+    assert waiting.peak_bytes == free.peak_bytes and waiting.config == free.config
+    # with every update off the host nothing waits: the same timeline as without
+    everywhere = with_update_sites(problem, {i: "resident" for i in range(n)})
+    assert simulate(dataclasses.replace(everywhere, updates_wait=True), cfg, slow_host, 2).step_time == \
+        pytest.approx(simulate(everywhere, cfg, slow_host, 2).step_time)
 
 
 def test_validator_catches_broken_schedules():

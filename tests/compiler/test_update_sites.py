@@ -298,3 +298,31 @@ def test_a_weight_tied_across_a_graph_break_is_summed_on_the_host():
     out = {u: train_megatrain(model, batches, {"device": "cpu", "precision": "fp32", "lowering": "eager",
                                                "updates": u})["params"] for u in ("device", "host")}
     assert torch.equal(out["device"], out["host"])
+
+
+def test_a_clipping_optimizer_makes_the_prediction_wait_for_the_norm():
+    """The prediction reads the optimizer as it is now: with max_grad_norm its host updates
+    start after the backward's last gradient (plan.problem.Problem.updates_wait); without,
+    each follows its own gradient."""
+    torch.manual_seed(7)
+    torch._dynamo.reset()
+    model = llama(layers=2)
+    opt = megatrain.AdamW(model.parameters(), lr=3e-3, max_grad_norm=1.0)
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                    "updates": "host"})
+    for ids, labels in random_batches(VOCAB, 2, batch=2, seq=8):
+        step(ids, labels=labels).backward()
+        opt.step()
+        opt.zero_grad()
+    plan = megatrain.explain(step).graphs[0]
+
+    def first_update_after_last_copy(sched) -> bool:
+        copies = [t for t in sched.streams["d2h"] if t.kind == "d2h" and t.step == 0]
+        updates = [t for t in sched.streams["host"] if t.kind == "host_step" and t.step == 0]
+        return min(sched.start[u] for u in updates) >= max(sched.end[d] for d in copies)
+
+    assert plan.updates_wait and plan.predicted_schedule.problem.updates_wait
+    assert first_update_after_last_copy(plan.predicted_schedule) and plan.predicted_step_s > 0
+    opt.max_grad_norm = None
+    assert not plan.updates_wait and not plan.predicted_schedule.problem.updates_wait
+    assert not first_update_after_last_copy(plan.predicted_schedule)

@@ -71,9 +71,12 @@ def test_plan_summary_predicts_the_step_where_the_cost_model_holds(monkeypatch):
     from megatrain.train.plan import plan_summary
 
     step_s, peak = random.uniform(0.01, 2.0), random.randint(1 << 20, 1 << 34)
-    info = types.SimpleNamespace(predicted_step_s=step_s, predicted_peak_bytes=peak)
+    aot = random.uniform(0.5, 90.0)
+    info = types.SimpleNamespace(predicted_step_s=step_s, predicted_peak_bytes=peak,
+                                 compile_seconds={"aot": aot, "planning": aot / 10})
     monkeypatch.setattr(megatrain, "explain", lambda fn: info)
     line, predicted = plan_summary(object(), "cuda")
     assert predicted == step_s and "predicted step" in line and "planned peak device" in line
+    assert f"; compile aot {aot:.1f} s, planning {aot / 10:.1f} s" in line   # longest first
     line, predicted = plan_summary(object(), "cpu")
     assert predicted is None and "predicted step" not in line and "planned peak device" in line

@@ -79,22 +79,13 @@ def host_rss_bytes() -> int:
         return 0
 
 
-def device_peak_bytes(device: str, step_fn=None) -> int | None:
-    """Peak device bytes of a CUDA run: megatrain's own measure for a compiled step (the
-    allocator's peak over its step), else the CUDA allocator's peak. None on the CPU device:
-    its bytes are host memory, in `host_rss_bytes`; megatrain's pool there holds only the
-    weight buffers, and a figure that leaves out the activations would not mean what the
-    column says."""
-    if not device.startswith("cuda"):
-        return None
-    if hasattr(step_fn, "_orig_mod"):       # a torch.compile'd module
-        try:
-            import megatrain
-            peak = megatrain.explain(step_fn).measured_peak_bytes
-            if peak is not None:
-                return int(peak)
-        except Exception:
-            pass
+def device_peak_bytes(device: str) -> int | None:
+    """The CUDA allocator's high-water mark: every byte allocated on the device, whoever
+    holds it (AdamW state kept resident across steps included). megatrain's runtime resets
+    the mark at each step's start, so after a step it is that step's peak; under eager it
+    is the run's so far. None on the CPU device: its bytes are host memory, in
+    `host_rss_bytes`. (`megatrain.explain(step).measured_peak_bytes` is another figure:
+    the step's peak above what it started with, which leaves the resident state out.)"""
     if device.startswith("cuda") and torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated(torch.device(device)))
     return None

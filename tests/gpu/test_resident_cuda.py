@@ -137,3 +137,17 @@ def test_a_parameter_larger_than_the_scratch_is_updated_in_pieces_bitwise_on_cud
         assert torch.equal(p.detach(), q.detach().cpu())
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][key], torch_opt.state[q][key].cpu()), key
+
+
+def test_the_main_jobs_device_peak_counts_the_resident_state_on_cuda():
+    """The main job's `device_peak_bytes` is what the card held at most in the last step:
+    the step's own peak (explain's measured_peak_bytes, counted from the step's start) plus
+    the AdamW state that stayed resident through it."""
+    from megatrain.train import metrics
+
+    model, batches = seeded_llama_and_batches()
+    _, _, plan = train_fp32_on_cuda(model, batches, updates="resident", gpu_memory="2GiB")
+    resident = plan.streamer.resident
+    held = sum(resident.held.values())
+    assert resident.regions and held > 0
+    assert metrics.device_peak_bytes("cuda") >= plan.measured_peak_bytes + held

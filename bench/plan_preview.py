@@ -71,13 +71,14 @@ class UpdateSites:
 
         return with_live_resident(self.sites, set(self.acquiring[:count]))
 
-    def predicted(self, schedule, sites: dict[int, str] | None = None):
+    def predicted(self, schedule, sites: dict[int, str] | None = None, updates_wait: bool = False):
         """The plan's schedule timed with these sites (or ``sites``), as explain's
-        predicted step is (resident regions move nothing, device sites leave the host)."""
+        predicted step is (resident regions move nothing, device sites leave the host);
+        `updates_wait`: as for an optimizer that clips (host updates after the backward)."""
         from megatrain.compiler.update_sites import timed_with_sites
 
         return timed_with_sites(schedule.plan.schedule, schedule.rates, self.sites if sites is None else sites,
-                                self.pids)
+                                self.pids, updates_wait=updates_wait)
 
     def summary(self) -> str:
         total = sum(self.numel.values())
@@ -215,7 +216,9 @@ def main(argv=None) -> int:
     if sites is not None:
         print(f"  updates={args.updates!r} at compile time: {sites.summary()} (a resident step later "
               "grows the reserve from the measured peak)")
-        print(f"  predicted step {sites.predicted(schedule).step_time:.3f} s with those sites")
+        print(f"  predicted step {sites.predicted(schedule).step_time:.3f} s with those sites; "
+              f"{sites.predicted(schedule, updates_wait=True).step_time:.3f} s with them and an "
+              f"optimizer that clips (its host updates wait for the backward's last gradient)")
     return 0
 
 

@@ -172,12 +172,12 @@ def _libc():
         return None
 
 
-def host_zeros_like(t: torch.Tensor) -> torch.Tensor:
-    """`torch.zeros_like(t)` (same strides) for a host tensor, through `host_zeros` where
-    `t` is contiguous."""
+def host_zeros_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch.zeros_like(t, dtype=dtype)` (same strides) for a host tensor, through
+    `host_zeros` where `t` is contiguous."""
     if t.device.type != "cpu" or not t.is_contiguous():
-        return torch.zeros_like(t, memory_format=torch.preserve_format)
-    return host_zeros(t.numel(), t.dtype).view(t.shape)
+        return torch.zeros_like(t, dtype=dtype, memory_format=torch.preserve_format)
+    return host_zeros(t.numel(), dtype or t.dtype).view(t.shape)
 
 
 _PAGE = 4096

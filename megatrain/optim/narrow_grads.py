@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatrain.memory.host_store import host_zeros
+from megatrain.memory.host_store import host_zeros_like
 
 
 def narrower(g: Tensor, p: Tensor) -> bool:
@@ -50,11 +50,7 @@ class NarrowGrads:
         without re-laying it), allocated on first use or when the dtype changed."""
         buf = self._buffers.get(p)
         if buf is None or buf.dtype != dtype:
-            if p.is_contiguous():
-                buf = host_zeros(p.numel(), dtype).view(p.shape)
-            else:
-                buf = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-            self._buffers[p] = buf
+            buf = self._buffers[p] = host_zeros_like(p, dtype)
         return buf
 
     def hold(self, p: Tensor, g: Tensor) -> Tensor:

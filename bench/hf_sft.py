@@ -82,12 +82,11 @@ def make_folder(name: str, folder: Path, smoke: bool) -> int:
         shard[key] = t
         shard_bytes += 2 * n
     flush()
-    # the transformers naming: model-0000i-of-0000N.safetensors
-    total = len(names)
-    for i, fname in enumerate(names):
-        final = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        (folder / fname).rename(folder / final)
-        weight_map = {k: (final if v == fname else v) for k, v in weight_map.items()}
+    # the transformers naming, once the count is known: model-0000i-of-0000N.safetensors
+    final = {f: f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i, f in enumerate(names)}
+    for f, name in final.items():
+        (folder / f).rename(folder / name)
+    weight_map = {k: final[v] for k, v in weight_map.items()}
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": 2 * n_params}, "weight_map": weight_map}, indent=1))
     cfg = model.config
@@ -206,9 +205,8 @@ def main() -> None:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         log, row["rc"] = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        log = (e.stdout or b"").decode() + (e.stderr or b"").decode() \
-            if isinstance(e.stdout, bytes) or e.stdout is None else e.stdout + (e.stderr or "")
+    except subprocess.TimeoutExpired as e:   # its output comes as bytes even with text=True
+        log = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
         row["rc"] = "timeout"
     row["wall_s"] = time.perf_counter() - t1
     (work / "train.log").write_text(log)

@@ -9,6 +9,7 @@ A user waiting on a first step wants to know where it goes; `megatrain.explain(m
     planning      the schedule search, transfer nodes, the StepPlan
     kernel_timing products and attention timed at the graph's shapes (runtime/kernel_probe.py)
     lowering      Inductor (or the eager lowering) compiling the forward and backward
+    homing        moving the parameters into megatrain's host store (page-locked on CUDA)
 
 Times are exclusive: a phase entered inside another (kernel timing inside planning,
 planning inside AOTAutograd's partition callback) is subtracted from the outer one, so the
@@ -24,20 +25,21 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-_stack = threading.local()
+class _Frames(threading.local):
+    """Per thread, the open phases: [name, times dict, start of the current stretch]."""
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []
 
 
-def _frames() -> list:
-    if not hasattr(_stack, "frames"):
-        _stack.frames = []
-    return _stack.frames
+_open = _Frames()
 
 
 @contextmanager
 def phase(name: str, times: dict[str, float] | None = None) -> Iterator[None]:
     """Add the wall time spent inside to ``times[name]`` (the enclosing phase's dict when
     ``times`` is None; nothing is recorded outside any phase). Exclusive of nested phases."""
-    frames = _frames()
+    frames = _open.stack
     if times is None:
         if not frames:
             yield

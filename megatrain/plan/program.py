@@ -312,12 +312,9 @@ def _updates_wait_for_norm(sh: _Shape, prog: Program) -> None:
     order (regions' forward order), each step's after its accumulations."""
     last_copy = {d.step: d for d in prog.d2h if d.kind == "d2h"}
     forward = {r.id: i for i, r in enumerate(sh.problem.regions)}
-    by_step: dict[int, list[Task]] = {}
-    for h in prog.host:
-        by_step.setdefault(h.step, []).append(h)
-    prog.host[:] = [t for s in sorted(by_step) for t in (
-        [h for h in by_step[s] if h.kind != "host_step"]
-        + sorted((h for h in by_step[s] if h.kind == "host_step"), key=lambda h: forward[h.region]))]
+    # stable: accumulations keep their arrival order
+    prog.host.sort(key=lambda h: (h.step, h.kind == "host_step",
+                                  forward[h.region] if h.kind == "host_step" else 0))
     prog.data.extend((last_copy[h.step], h) for h in prog.host if h.kind == "host_step")
 
 

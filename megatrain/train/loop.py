@@ -230,12 +230,12 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
     avail = host_store.available_host_bytes() if available_bytes is None else available_bytes()
     say(mplan.table(avail))
     plan.check_fits(mplan, avail)
-    start_step = int(checkpoint.read_state(ckpt)["step"]) if ckpt is not None else 0
-    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start_step + cfg.stop_after)
+    start = int(checkpoint.read_state(ckpt)["step"]) if ckpt is not None else 0
+    end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     if cfg.save and dinfo.is_main:
         one = checkpoint.checkpoint_bytes(n_params, source.saved_bytes_per_param(cfg.save_dtype))
         checkpoint.check_disk_room(
-            out, one, checkpoint.save_steps(start_step, end, cfg.save_every), cfg.keep)
+            out, one, checkpoint.save_steps(start, end, cfg.save_every), cfg.keep)
     # reading the data checks it (bad lines, ids outside the vocabulary): still before any work
     fed = feed.load(cfg, src, tok, source, micro_batch, dinfo.rank, dinfo.world_size, sft_data)
 
@@ -266,11 +266,11 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
             fraction = min(1.0, plan.parse_bytes(cfg.gpu_memory) / total)
             torch.cuda.set_per_process_memory_fraction(fraction, device)
     opt, opt_kind = make_optimizer(model, cfg, distributed=dinfo.distributed)
-    start, tokens_seen = 0, 0
+    tokens_seen = 0
     if ckpt is not None:   # the weights came with source.build(); here the rest of the state
         state = checkpoint.load_checkpoint(ckpt, model, opt, weights=False)
         loader.load_state_dict(state["data"])
-        start, tokens_seen = int(state["step"]), int(state.get("tokens_seen", 0))
+        tokens_seen = int(state.get("tokens_seen", 0))
         say(f"resumed from {ckpt} at step {start}")
     step_fn = compile_model(model, cfg)
     saved_cfg = {k: v for k, v in asdict(cfg).items() if k not in TRANSIENT}

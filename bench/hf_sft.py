@@ -158,6 +158,14 @@ def summarize(run: Path, log: str, n_params: int) -> dict:
     m = re.search(r"plan: predicted step ([\d.]+) (m?s)", log)
     if m:
         out["predicted_step_s"] = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+    # the last line's prediction: with the update sites the run ended with (the resident
+    # set grows after measured steps), and how many parameters' AdamW state was on the GPU
+    m = re.search(r"^done: .*\(plan: ([\d.]+) (m?s)", log, re.MULTILINE)
+    if m:
+        out["predicted_step_s_after_step1"] = out.get("predicted_step_s")
+        out["predicted_step_s"] = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+    m = re.search(r"AdamW state of ([\d,]+) M params", log)
+    out["resident_params"] = float(m.group(1).replace(",", "")) * 1e6 if m else 0
     plan = [ln for ln in log.splitlines() if ln.startswith(("  ", "memory plan", "host", "GPU"))]
     out["memory_plan"] = "\n".join(plan[:40])
     return out
@@ -218,7 +226,7 @@ def main() -> None:
     print(log[-4000:])
     keys = ("model", "params", "rc", "steps_done", "step_s", "tokens_per_s", "tflops",
             "device_peak_bytes", "host_bytes_per_param", "load_s", "load_peak_over_steady",
-            "first_step_s", "predicted_step_s", "fsdp2_offload")
+            "first_step_s", "predicted_step_s", "resident_params", "fsdp2_offload")
     print(json.dumps({k: row.get(k) for k in keys}, indent=1))
 
 

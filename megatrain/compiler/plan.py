@@ -155,6 +155,14 @@ class GraphPlan:
         return {**dict.fromkeys(r.regions, "resident"), **r.demoted}
 
     @property
+    def resident_params(self) -> int:
+        """Parameters whose master weights and AdamW moments live on the device now."""
+        r = getattr(self.streamer, "resident", None)
+        if r is None:
+            return 0
+        return sum(self.streamer.params[p].numel() for pids in r.regions.values() for p in pids)
+
+    @property
     def measured_records(self) -> list:
         """The last step's measured intervals from the runtime's CUDA events (weight copies,
         compute-stream waits for them, region compute, gradient copies); [] before a CUDA
@@ -198,6 +206,10 @@ class Plan:
     def measured_peak_bytes(self) -> int | None:
         vals = [g.measured_peak_bytes for g in self.graphs if g.measured_peak_bytes is not None]
         return max(vals) if vals else None
+
+    @property
+    def resident_params(self) -> int:
+        return sum(g.resident_params for g in self.graphs)
 
     @property
     def prefetch_count(self) -> int:

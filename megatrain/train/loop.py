@@ -393,18 +393,23 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         last_ckpt = save(end)
     png = plot.plot_metrics(out) if dinfo.is_main and metrics.read_metrics(out) else None
     steady = times[1:] or times
+    at_end, resident = "", 0
+    if cfg.compile == "megatrain" and losses:
+        at_end, predicted_end, resident = plan.plan_at_end(step_fn, cfg.device, n_params)
+        predicted_s = predicted_end if predicted_end is not None else predicted_s
     summary = {"steps": end, "final_loss": float(np.mean(losses[-10:])) if losses else None,
                "first_loss": losses[0] if losses else None,
                "tokens_per_s": tokens_per_step / float(np.mean(steady)) if steady else None,
                "step_time_s": float(np.mean(steady)) if steady else None,
-               "predicted_step_s": predicted_s, "checkpoint": str(last_ckpt) if last_ckpt else None,
+               "predicted_step_s": predicted_s, "resident_params": resident,
+               "checkpoint": str(last_ckpt) if last_ckpt else None,
                "plot": str(png) if png else None, "out": str(out),
                "wall_s": time.perf_counter() - t_run, "load_s": load_s,
                "load_peak_rss_bytes": load_peak}
     if losses:
         say(f"done: step {end}, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}, "
             f"{summary['tokens_per_s']:,.0f} tokens/s, step {plan.fmt_seconds(summary['step_time_s'])}"
-            + (f" (plan: {plan.fmt_seconds(predicted_s)})" if predicted_s is not None else "")
+            + (f" ({at_end})" if at_end else "")
             + f"; checkpoint {last_ckpt}; plot {png}")
     return summary
 

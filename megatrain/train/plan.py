@@ -247,3 +247,21 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
     if step_s is None:
         return f"plan: {peak}{compiled}", None
     return f"plan: predicted step {fmt_seconds(step_s)}, {peak}{compiled}", step_s
+
+
+def plan_at_end(step_fn, device: str, n_params: int) -> tuple[str, float | None, int]:
+    """The plan as the run ended, in a phrase for the last line: the predicted step with the
+    update sites in effect now (the set of regions whose AdamW state is on the device grows
+    once a measured step shows room, so the first step's prediction can be stale), and how
+    many parameters' state the device holds."""
+    import megatrain
+
+    info = megatrain.explain(step_fn)
+    resident = info.resident_params
+    step_s = info.predicted_step_s if not device.startswith("cpu") else None
+    words = [f"plan: {fmt_seconds(step_s)}"] if step_s is not None else []
+    if resident:
+        words.append(f"AdamW state of {resident / 1e6:,.0f} M params "
+                     f"({resident / max(n_params, 1):.0%}) on the device")
+    return ", ".join(words), step_s, resident
+

@@ -80,3 +80,24 @@ def test_plan_summary_predicts_the_step_where_the_cost_model_holds(monkeypatch):
     assert f"; compile aot {aot:.1f} s, planning {aot / 10:.1f} s" in line   # longest first
     line, predicted = plan_summary(object(), "cpu")
     assert predicted is None and "predicted step" not in line and "planned peak device" in line
+
+
+def test_plan_at_end_reads_the_sites_in_effect_and_the_resident_share(monkeypatch):
+    """The run's last line carries the prediction with the update sites as they ended (the
+    resident set grows after measured steps) and the share of parameters whose AdamW state
+    the device holds; on the CPU no prediction, and nothing said of a share of none."""
+    import types
+
+    import megatrain
+    from megatrain.train.plan import plan_at_end
+
+    n = random.randint(10**6, 10**10)
+    resident, step_s = random.randint(1, n), random.uniform(0.01, 9.0)
+    info = types.SimpleNamespace(predicted_step_s=step_s, resident_params=resident)
+    monkeypatch.setattr(megatrain, "explain", lambda fn: info)
+    words, predicted, held = plan_at_end(object(), "cuda", n)
+    assert predicted == step_s and held == resident
+    assert words.startswith("plan: ") and f"({resident / n:.0%}) on the device" in words
+    info.resident_params = 0
+    words, predicted, held = plan_at_end(object(), "cpu", n)
+    assert (words, predicted, held) == ("", None, 0)

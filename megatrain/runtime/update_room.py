@@ -58,17 +58,19 @@ class UpdateRoom:
         self.device_updates = (DeviceUpdates(ctx.device, self.pool, params, streams, regions,
                                              self.reserve) if regions else None)
 
-    def measured(self, peak: int) -> None:
-        """A whole step of this graph alone peaked at ``peak`` bytes on the device: the
-        second one grows the reserve; from then on one over gpu_memory makes the next step
-        begin by shrinking it (`shed_overrun`). Only with resident regions."""
+    def measured(self, peak: int, growth_peak: int | None = None) -> None:
+        """A whole step of this graph alone peaked at ``peak`` bytes allocated on the
+        device: the second one grows the reserve, from ``growth_peak`` where given (the
+        allocator's reserved peak under fixed segments: Streamer._growth_peak); from then
+        on one over gpu_memory makes the next step begin by shrinking it (`shed_overrun`).
+        Only with resident regions."""
         if self.resident is None:
             return
         self._measured_steps += 1
         if self._measured_steps >= MEASURED_STEP and peak > self.pool.budget:
             self._overran = peak  # the next step begins by sending regions home
         elif self._measured_steps == MEASURED_STEP:
-            self.grow(peak)
+            self.grow(peak if growth_peak is None else growth_peak)
 
     def shed_overrun(self) -> None:
         """Between steps (no update of this graph is pending): shrink for an overrun."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain.memory import host_store
+from megatrain.memory import allocator, host_store
 
 from . import (
     RefusedError,
@@ -259,6 +259,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
         say(f"loaded the weights in {load_s:.1f} s; host RSS peak so far "
             f"{plan.fmt_bytes(load_peak)}")
     device = torch.device(cfg.device)
+    if device.type == "cuda":  # before the run's first device allocation (memory/allocator.py)
+        allocator.enable_expandable_segments()
     if cfg.compile == "eager":
         model.to(device)
         if device.type == "cuda" and cfg.gpu_memory:

@@ -171,6 +171,17 @@ def summarize(run: Path, log: str, n_params: int) -> dict:
     return out
 
 
+def _gpu_name() -> str | None:
+    """The card's name from nvidia-smi: asking torch would open a CUDA context in this
+    process, which holds device memory while the run beside it measures its own."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2-7b", choices=sorted(hf_models.MODELS))
@@ -217,6 +228,7 @@ def main() -> None:
         log = "".join(x.decode() if isinstance(x, bytes) else x for x in (e.stdout, e.stderr) if x)
         row["rc"] = "timeout"
     row["wall_s"] = time.perf_counter() - t1
+    row["gpu"] = _gpu_name()
     (work / "train.log").write_text(log)
     row.update(summarize(run, log, n_params))
     if row["rc"] != 0:

@@ -149,6 +149,8 @@ def summarize(run: Path, log: str, n_params: int) -> dict:
     peaks = [r["device_peak_bytes"] for r in steps if r.get("device_peak_bytes")]
     if peaks:
         out["device_peak_bytes"] = max(peaks)
+    if steps and steps[-1].get("device_alloc_retries") is not None:
+        out["device_alloc_retries"] = steps[-1]["device_alloc_retries"]   # over the run
     m = re.search(r"loaded the weights in ([\d.]+) s; host RSS peak so far ([\d.]+) (\w+)", log)
     if m:
         unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[m.group(3)]

@@ -362,7 +362,8 @@ def _train(cfg: TrainConfig, ckpt: Path | None, dinfo, agreement, available_byte
                    "tflops": flops_per_step / dt / 1e12, "grad_norm": gnorm, "step_time_s": dt,
                    "tokens": tokens_seen, "elapsed_s": time.perf_counter() - t_run,
                    "host_rss_bytes": metrics.host_rss_bytes(),
-                   "device_peak_bytes": metrics.device_peak_bytes(cfg.device)}
+                   "device_peak_bytes": metrics.device_peak_bytes(cfg.device),
+                   "device_alloc_retries": metrics.device_alloc_retries(cfg.device)}
             writer.write(row)
             if step == start + 1 and cfg.compile == "megatrain":
                 note, predicted_s = plan.plan_summary(step_fn, cfg.device)

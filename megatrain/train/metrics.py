@@ -89,3 +89,14 @@ def device_peak_bytes(device: str) -> int | None:
     if device.startswith("cuda") and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(torch.device(device)))
     return None
+
+
+def device_alloc_retries(device: str) -> int | None:
+    """How often the CUDA allocator found no free block and had to give cached memory back
+    to the driver and try again, over the run so far: each retry synchronizes the device,
+    so a run that retries every step is paying for a device filled to its edge. None off
+    CUDA."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return int(torch.cuda.memory_stats(torch.device(device)).get("num_alloc_retries", 0))
+    return None
+

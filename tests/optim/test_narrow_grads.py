@@ -347,3 +347,27 @@ def test_a_piece_in_another_dtype_moves_the_gradient_to_fp32(seed):
     held.step(), fp32.step()
     assert torch.equal(held.last_grad_norm, fp32.last_grad_norm), seed
     assert_same(P, Q, held, fp32, seed)
+
+
+def test_the_norm_of_a_16_bit_gradient_is_bitwise_that_of_its_fresh_upcast(monkeypatch):
+    """functional.grad_norm upcasts into a reused per-thread scratch: on fresh random
+    gradients of shrinking and growing sizes (stale values beyond each one in the scratch),
+    fp16 and bf16, contiguous or not, and past the scratch's limit, the norm is bitwise
+    ``vector_norm(g.float())``, and the scratch does not grow past its limit."""
+    import random
+
+    from megatrain.optim import functional
+
+    limit = random.randint(5_000, 20_000)
+    monkeypatch.setattr(functional, "NORM_SCRATCH_MAX", limit)
+    monkeypatch.delattr(functional._scratch, "norm_buf", raising=False)
+    for _ in range(12):
+        n = random.randint(1, 2 * limit)
+        dtype = random.choice([torch.bfloat16, torch.float16])
+        g = (torch.randn(n) * 10 ** random.uniform(-3, 3)).to(dtype)
+        if random.random() < 0.3 and n > 4:
+            g = g[: n - n % 4].view(-1, 4).t()  # not contiguous
+        want = torch.linalg.vector_norm(g.float(), 2.0)
+        assert torch.equal(functional.grad_norm(g), want), (n, dtype, g.is_contiguous())
+    buf = getattr(functional._scratch, "norm_buf", None)
+    assert buf is None or buf.numel() <= limit

@@ -20,6 +20,24 @@ from dataclasses import asdict, dataclass
 # writes param, m, v (7 x fp32); accumulating a gradient reads two fp32 and writes one.
 ADAMW_BYTES_PER_PARAM = 28
 ACCUMULATE_BYTES_PER_PARAM = 12
+# An optimizer that clips holds each final gradient until step() knows the global norm:
+# holding copies it out of its staging slab and takes its norm (a 16-bit one through an
+# fp32 upcast), and the update then scales it, a 16-bit one upcast chunk by chunk into a
+# scratch (optim/functional.py). Bytes per parameter by the gradient's bytes per element.
+FP32 = 4
+
+
+def hold_bytes_per_param(grad_bytes: int) -> int:
+    """Copy out (read and write) and the norm's reads (a narrow gradient read, upcast and
+    written to the scratch, then read)."""
+    norm = grad_bytes + 2 * FP32 if grad_bytes < FP32 else FP32
+    return 2 * grad_bytes + norm
+
+
+def clip_update_bytes_per_param(grad_bytes: int) -> int:
+    """What scaling adds to the update: a narrow gradient's upcast into the scratch (the
+    fused kernel then reads the scratch, in cache); an fp32 one multiplied in place."""
+    return grad_bytes + FP32 if grad_bytes < FP32 else 2 * FP32
 # An update on the device moves its state (fp32 master, m and v) over PCIe, each way.
 DEVICE_LINK_BYTES = 12
 
@@ -116,6 +134,21 @@ def host_step_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:
     if numel <= 0:
         return 0.0
     return (numel * ADAMW_BYTES_PER_PARAM + copy_bytes) / host_bandwidth(rates)
+
+
+def host_hold_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
+    """Holding a final gradient for a clipping optimizer (hold_bytes_per_param)."""
+    if numel <= 0:
+        return 0.0
+    return numel * hold_bytes_per_param(grad_bytes) / host_bandwidth(rates)
+
+
+def host_clipped_step_seconds(numel: int, grad_bytes: int, rates: Rates, copy_bytes: int = 0) -> float:
+    """host_step_seconds for a clipping optimizer: the update scales the held gradient."""
+    if numel <= 0:
+        return 0.0
+    return host_step_seconds(numel, rates, copy_bytes) + (
+        numel * clip_update_bytes_per_param(grad_bytes) / host_bandwidth(rates))
 
 
 def host_accumulate_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:

@@ -77,7 +77,7 @@ STREAMS = ("compute", "h2d", "d2h", "host")
 STREAM_OF = {"prefetch": "compute", "compute": "compute", "free": "compute", "keep": "compute",
              "restore": "compute", "offload_wait": "compute", "grad_wait": "compute",
              "h2d": "h2d", "reload": "h2d", "offload": "d2h", "d2h": "d2h",
-             "host_acc": "host", "host_step": "host"}
+             "host_acc": "host", "host_step": "host", "host_hold": "host"}
 
 
 class Buffer(NamedTuple):
@@ -307,12 +307,19 @@ def _side_streams(sh: _Shape, prog: Program, micro: int, steps: int, kept: froze
 
 def _updates_wait_for_norm(sh: _Shape, prog: Program) -> None:
     """The optimizer's step() knows the global norm only once the step's last gradient is
-    on the host: each host update starts after the step's last gradient copy (the d2h
-    stream is FIFO, so after every copy), and the host runs them in the next forward's
-    order (regions' forward order), each step's after its accumulations."""
+    on the host: each final gradient is held as it arrives (a "host_hold": copied out of
+    the staging slab and its norm taken), each host update starts after the step's last
+    gradient copy (the d2h stream is FIFO, so after every copy), and the host runs the
+    updates in the next forward's order (regions' forward order), each step's after its
+    accumulations and holds."""
     last_copy = {d.step: d for d in prog.d2h if d.kind == "d2h"}
     forward = {r.id: i for i, r in enumerate(sh.problem.regions)}
-    # stable: accumulations keep their arrival order
+    for h in [h for h in prog.host if h.kind == "host_step"]:
+        hold = Task("host_hold", h.region, "host", h.micro, h.step)
+        copy = Task("d2h", h.region, "bw", h.micro, h.step)
+        prog.host.insert(prog.host.index(h), hold)
+        prog.data.extend([(copy, hold), (hold, h)])
+    # stable: accumulations and holds keep their arrival order
     prog.host.sort(key=lambda h: (h.step, h.kind == "host_step",
                                   forward[h.region] if h.kind == "host_step" else 0))
     prog.data.extend((last_copy[h.step], h) for h in prog.host if h.kind == "host_step")

@@ -221,6 +221,13 @@ def _assert_updates_wait(sched):
         assert sched.start[h] >= last - 1e-12, (h, sched.start[h], last)
     for a, b in zip(steps, steps[1:]):
         assert a.step < b.step or order[a.region] < order[b.region], (a, b)
+    # each final gradient is held (copied out, its norm taken) after its copy, before its update
+    holds = {(t.region, t.step): t for t in sched.streams["host"] if t.kind == "host_hold"}
+    assert len(holds) == len(steps)
+    for h in steps:
+        hold = holds[(h.region, h.step)]
+        copy = next(d for d in copies if d.region == h.region and d.step == h.step)
+        assert sched.end[copy] - 1e-12 <= sched.start[hold] <= sched.end[hold] <= sched.start[h] + 1e-12
 
 
 @budget_settings(300)
@@ -421,6 +428,11 @@ def test_updates_that_wait_for_the_norm_follow_the_backward():
     _assert_updates_wait(waiting)
     host = sum(free.end[t] - free.start[t] for t in free.streams["host"]) / 2
     assert host > free.compute_seconds                     # the host bounds the step
+    # what clipping adds on the host: per parameter, with fp32 gradients (4 B), the hold's
+    # copy (8 B) and norm (4 B) and the update's in-place scaling (8 B)
+    busy = sum(waiting.end[t] - waiting.start[t] for t in waiting.streams["host"]) / 2
+    bandwidth = slow_host.adamw * 28
+    assert busy == pytest.approx(host + n * numel * (8 + 4 + 8) / bandwidth, rel=1e-9)
     assert waiting.step_time > free.step_time
     assert waiting.peak_bytes == free.peak_bytes and waiting.config == free.config
     # with every update off the host nothing waits: the same timeline as without

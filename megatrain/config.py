@@ -28,6 +28,11 @@ check_fetched_weights: bool = False
 # the machine that runs them.
 probe_rates: bool = True
 
+# Warn when a graph's predicted step is at least this many times its GPU compute (about
+# what a GPU-resident run takes), naming the regions the GPU waits for and why
+# (plan/waits.py). None: never.
+slow_plan_ratio: float | None = 1.5
+
 
 # -- decisions (the planner's, or today's fixed choice where it has none yet) -------------
 # How each graph is lowered: "inductor" (Triton on GPU, C++ on CPU) or "eager" (the
@@ -90,4 +95,4 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    return ["check_fetched_weights", "probe_rates", *DECISIONS]
+    return ["check_fetched_weights", "probe_rates", "slow_plan_ratio", *DECISIONS]

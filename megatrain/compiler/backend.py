@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.backends.common import aot_autograd  # noqa: F401  (keeps dynamo's registry warm)
 from torch._functorch.aot_autograd import aot_module_simplified
 
+from .. import config
 from ..errors import MegatrainValueError, format_bytes, noting
 from ..optim import module_reads
 from ..optim.registry import owner_of
@@ -34,6 +35,7 @@ from .passes import gradient_handoffs, insert_transfers
 from .phases import phase
 from .plan import GraphPlan
 from ..plan.search import InfeasibleBudget
+from ..plan.waits import slow_plan_warning
 from .schedule import schedule_step
 from .weight_casts import retarget_weight_casts
 
@@ -293,6 +295,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                 _share_cores(cap.params, opts)
             configure(decide.step_plan(plan, cap, opts, streamer, handoffs,
                                        training=bw is not None))
+            _warn_if_slow(plan, opts, streamer.region_names)
         return fw, bw
 
     def configure(step):
@@ -333,6 +336,23 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             decompositions=_decompositions(),
             keep_inference_input_mutations=True)
     return compiled, plan, cap
+
+
+# Devices whose cost model is calibrated by a probe, so a predicted step means something: on
+# the CPU device the step is bound by dispatch overheads the model does not count.
+_PREDICTED_ON = ("cuda",)
+
+
+def _warn_if_slow(plan: GraphPlan, opts: Options, names: dict[int, str]) -> None:
+    """Warn when the plan, with the update sites in effect, predicts a step much slower than
+    its GPU compute, naming what the GPU waits for (plan/waits.py)."""
+    ratio = config.slow_plan_ratio
+    sched = plan.predicted_schedule
+    if ratio is None or sched is None or opts.device.type not in _PREDICTED_ON:
+        return
+    text = slow_plan_warning(sched, ratio, names)
+    if text is not None:
+        warnings.warn(f"megatrain: {text}", RuntimeWarning, stacklevel=2)
 
 
 def _decompositions():

@@ -151,3 +151,27 @@ def test_the_main_jobs_device_peak_counts_the_resident_state_on_cuda():
     held = sum(resident.held.values())
     assert resident.regions and held > 0
     assert metrics.device_peak_bytes("cuda") >= plan.measured_peak_bytes + held
+
+
+def test_the_main_job_turns_on_expandable_segments_on_cuda(monkeypatch):
+    """memory/allocator.py on a real card: with no allocator configuration given, turning
+    expandable segments on at run time makes the next new segment expandable (so resident
+    growth can fill the room a measured step left without fragmentation refusing a large
+    block); the process's setting is put back after."""
+    from megatrain.memory import allocator
+
+    for k in allocator._ENV:
+        monkeypatch.setenv(k, "")  # unset for the test, restored after it
+    torch.cuda.empty_cache()
+    x = None
+    try:
+        assert allocator.enable_expandable_segments() and allocator.expandable_segments()
+        x = torch.empty(96 << 20, device="cuda")  # 384 MiB: a segment of its own
+        ours = [s for s in torch.cuda.memory_snapshot()
+                if any(b["size"] >= x.numel() * 4 and b["state"] == "active_allocated"
+                       for b in s["blocks"])]
+        assert ours and all(s["is_expandable"] for s in ours), ours
+    finally:
+        del x
+        torch.cuda.empty_cache()
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")

@@ -174,4 +174,5 @@ def test_the_main_job_turns_on_expandable_segments_on_cuda(monkeypatch):
     finally:
         del x
         torch.cuda.empty_cache()
-        torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:False")

@@ -155,6 +155,15 @@ class GraphPlan:
         return {**dict.fromkeys(r.regions, "resident"), **r.demoted}
 
     @property
+    def waits(self) -> list:
+        """What the GPU waits for in the predicted steady step, with the update sites in
+        effect: plan.waits.Wait (seconds, reason, region), largest first."""
+        from ..plan.waits import gpu_waits
+
+        sched = self.predicted_schedule
+        return gpu_waits(sched) if sched is not None else []
+
+    @property
     def resident_params(self) -> int:
         """Parameters whose master weights and AdamW moments live on the device now."""
         r = getattr(self.streamer, "resident", None)
@@ -210,6 +219,11 @@ class Plan:
     @property
     def resident_params(self) -> int:
         return sum(g.resident_params for g in self.graphs)
+
+    @property
+    def waits(self) -> list:
+        """Every graph's predicted GPU waits (GraphPlan.waits), largest first."""
+        return sorted((w for g in self.graphs for w in g.waits), key=lambda w: -w.seconds)
 
     @property
     def prefetch_count(self) -> int:

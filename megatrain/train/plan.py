@@ -246,7 +246,14 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
     step_s = info.predicted_step_s if not device.startswith("cpu") else None
     if step_s is None:
         return f"plan: {peak}{compiled}", None
-    return f"plan: predicted step {fmt_seconds(step_s)}, {peak}{compiled}", step_s
+    waits = info.waits
+    waited = (f", GPU waits {fmt_seconds(sum(w.seconds for w in waits))} (most on "
+              f"{_WAITED_ON[waits[0].reason]})" if waits else "")
+    return f"plan: predicted step {fmt_seconds(step_s)}{waited}, {peak}{compiled}", step_s
+
+
+_WAITED_ON = {"host": "the host optimizer", "h2d": "weights coming in", "d2h": "gradients going out",
+              "other": "the streams' order"}
 
 
 def plan_at_end(step_fn, device: str, n_params: int) -> tuple[str, float | None, int]:

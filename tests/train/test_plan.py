@@ -73,11 +73,21 @@ def test_plan_summary_predicts_the_step_where_the_cost_model_holds(monkeypatch):
     step_s, peak = random.uniform(0.01, 2.0), random.randint(1 << 20, 1 << 34)
     aot = random.uniform(0.5, 90.0)
     info = types.SimpleNamespace(predicted_step_s=step_s, predicted_peak_bytes=peak,
-                                 compile_seconds={"aot": aot, "planning": aot / 10})
+                                 compile_seconds={"aot": aot, "planning": aot / 10}, waits=[])
     monkeypatch.setattr(megatrain, "explain", lambda fn: info)
     line, predicted = plan_summary(object(), "cuda")
     assert predicted == step_s and "predicted step" in line and "planned peak device" in line
     assert f"; compile aot {aot:.1f} s, planning {aot / 10:.1f} s" in line   # longest first
+    assert "GPU waits" not in line
+    from megatrain.plan.waits import Wait
+    from megatrain.train.plan import fmt_seconds
+
+    info.waits = sorted((Wait(random.uniform(1e-3, 1.0), r, random.randint(0, 9))
+                         for r in random.sample(["host", "h2d", "d2h"], 2)), key=lambda w: -w.seconds)
+    line, _ = plan_summary(object(), "cuda")
+    most = {"host": "the host optimizer", "h2d": "weights coming in", "d2h": "gradients going out"}
+    total = fmt_seconds(sum(w.seconds for w in info.waits))
+    assert f"GPU waits {total} (most on {most[info.waits[0].reason]})" in line
     line, predicted = plan_summary(object(), "cpu")
     assert predicted is None and "predicted step" not in line and "planned peak device" in line
 

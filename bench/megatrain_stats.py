@@ -35,6 +35,10 @@ def _megatrain_stats(step_fn) -> dict:
             "compile_phases_s": {k: round(v, 3) for k, v in plan.compile_seconds.items()},
             # regions whose forward weights the plans keep for the backward (keep_weights)
             "kept_regions": sum(len(s.config.kept) for s in schedules),
+            # what the GPU waits for in the predicted step, largest first (plan/waits.py),
+            # beside the measured stalls below
+            "predicted_waits": [{"s": round(w.seconds, 5), "reason": w.reason, "region": w.region}
+                                for w in plan.waits[:8]],
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),

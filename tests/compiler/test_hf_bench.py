@@ -50,6 +50,8 @@ def test_smoke_rows_carry_the_family_and_render(tmp_path):
         assert len(r["losses"]) == 2 and all(math.isfinite(v) for v in r["losses"])
         assert r["losses"][-1] < r["losses"][0] + 0.1, r["losses"]  # trains, does not diverge
         assert r["dynamo_graphs"] == 1 and r["attn_implementation"] == "sdpa"
+        assert all(w["s"] >= 0 and w["reason"] in ("host", "h2d", "d2h", "other")
+                   for w in r["predicted_waits"]), r["predicted_waits"]
     dense, moe = rows
     assert dense["updates"] is None and dense["prefetch"] is None and dense.get("forced") is None
     assert moe["variant"] == "megatrain+lowering=eager" and moe["forced"] == {"lowering": "eager"}

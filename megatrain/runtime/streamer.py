@@ -34,7 +34,6 @@ import time
 import torch
 
 from .. import config
-from ..memory import allocator
 from ..memory.host_store import (
     release_cached_pinned_blocks,
     release_unused_pinned_blocks,
@@ -255,20 +254,12 @@ class Streamer:
         whole = self._measurable and _last_begun == self.index and self._begun_since_end == 1
         self._begun_since_end = 0
         if whole and measured is not None:
-            self._room.measured(measured, self._growth_peak(measured))
+            self._room.measured(measured)
 
     def _allocator_peak(self) -> int | None:
         """The device allocator's high-water mark since begin_step (every byte allocated,
         whoever holds it); None off CUDA, where only the pool's own count is known."""
         return torch.cuda.max_memory_allocated(self.device) if self.cuda else None
-
-    def _growth_peak(self, allocated_peak: int) -> int:
-        """The step's peak that resident growth may fill up to: the allocator's allocated
-        peak where segments are expandable, else its reserved peak, which counts the
-        fragmentation that fixed segments leave (memory/allocator.py)."""
-        if not self.cuda or allocator.expandable_segments():
-            return allocated_peak
-        return max(allocated_peak, torch.cuda.max_memory_reserved(self.device))
 
     def _host_lag_overlaps(self) -> bool:
         """Whether a host optimizer lagging behind backward has GPU work to overlap, so

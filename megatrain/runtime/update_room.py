@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from ..errors import format_bytes
+from ..memory import allocator
 from ..memory.pool import Reserve
 from ..optim import device_update
 from .device_updates import DeviceUpdates
@@ -58,19 +61,27 @@ class UpdateRoom:
         self.device_updates = (DeviceUpdates(ctx.device, self.pool, params, streams, regions,
                                              self.reserve) if regions else None)
 
-    def measured(self, peak: int, growth_peak: int | None = None) -> None:
+    def measured(self, peak: int) -> None:
         """A whole step of this graph alone peaked at ``peak`` bytes allocated on the
-        device: the second one grows the reserve, from ``growth_peak`` where given (the
-        allocator's reserved peak under fixed segments: Streamer._growth_peak); from then
-        on one over gpu_memory makes the next step begin by shrinking it (`shed_overrun`).
-        Only with resident regions."""
+        device (called before the next step resets the allocator's marks): the second one
+        grows the reserve, up to `_growth_peak`; from then on one over gpu_memory makes the
+        next step begin by shrinking it (`shed_overrun`). Only with resident regions."""
         if self.resident is None:
             return
         self._measured_steps += 1
         if self._measured_steps >= MEASURED_STEP and peak > self.pool.budget:
             self._overran = peak  # the next step begins by sending regions home
         elif self._measured_steps == MEASURED_STEP:
-            self.grow(peak if growth_peak is None else growth_peak)
+            self.grow(self._growth_peak(peak))
+
+    def _growth_peak(self, allocated_peak: int) -> int:
+        """The step's peak that resident growth may fill up to: the allocator's allocated
+        peak where segments are expandable, else its reserved peak, which counts the
+        fragmentation that fixed segments leave (memory/allocator.py). An overrun is judged
+        by allocated bytes alone: cached blocks would send regions home step after step."""
+        if not self._ctx.cuda or allocator.expandable_segments():
+            return allocated_peak
+        return max(allocated_peak, torch.cuda.max_memory_reserved(self._ctx.device))
 
     def shed_overrun(self) -> None:
         """Between steps (no update of this graph is pending): shrink for an overrun."""

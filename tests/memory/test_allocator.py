@@ -52,26 +52,33 @@ def test_the_main_job_turns_them_on_unless_the_user_configured_the_allocator(set
     assert settings["calls"] == [] and os.environ[var] == "expandable_segments:False"
 
 
-def test_resident_growth_fills_up_to_the_peak_it_is_given():
-    """UpdateRoom.measured: the second whole measured step grows the reserve from the
-    growth peak where one is given (the allocator's reserved bytes under fixed segments,
-    Streamer._growth_peak), else from the allocated peak; an overrun is judged by the
+def test_resident_growth_fills_up_to_the_peak_it_is_given(monkeypatch):
+    """UpdateRoom.measured on a CUDA device: the second whole measured step grows the
+    reserve from the allocator's reserved peak under fixed segments (fragmentation
+    included), from the allocated peak under expandable ones; an overrun is judged by the
     allocated peak alone."""
+    import types
+
     from megatrain.runtime.update_room import MEASURED_STEP, UpdateRoom
 
+    allocated = random.randint(1, 1 << 29)
+    reserved = allocated + random.randint(1, 1 << 28)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: reserved)
     room = UpdateRoom.__new__(UpdateRoom)
     grown = []
+    room._ctx = types.SimpleNamespace(cuda=True, device=torch.device("cuda", 0))
     room.resident, room._measured_steps, room._overran = object(), 0, None
     room.pool = type("Pool", (), {"budget": 1 << 30})()
     room.grow = grown.append
-    allocated = random.randint(1, 1 << 29)
-    reserved = allocated + random.randint(0, 1 << 28)
+    monkeypatch.setattr(allocator, "expandable_segments", lambda: False)
     for _ in range(MEASURED_STEP):
-        room.measured(allocated, reserved)
+        room.measured(allocated)
     assert grown == [reserved] and room._overran is None
-    room.measured(room.pool.budget + 1, room.pool.budget + 2)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: room.pool.budget + 2)
+    room.measured(room.pool.budget + 1)
     assert room._overran == room.pool.budget + 1
 
+    monkeypatch.setattr(allocator, "expandable_segments", lambda: True)
     room._measured_steps, grown[:] = 0, []
     for _ in range(MEASURED_STEP):
         room.measured(allocated)

@@ -55,8 +55,7 @@ def _megatrain_stats(step_fn) -> dict:
             # the regions sent home (why) over the run
             "resident_regions": sum(len(s.resident.regions) for s in streamers if s.resident is not None),
             "resident_bytes": sum(sum(s.resident.held.values()) for s in streamers if s.resident is not None),
-            "resident_params": sum(s.params[p].numel() for s in streamers if s.resident is not None
-                                   for pids in s.resident.regions.values() for p in pids),
+            "resident_params": plan.resident_params,
             "resident_demoted": {r: why for s in streamers if s.resident is not None
                                  for r, why in s.resident.demoted.items()},
             "device_update_sites": sum(list(g.update_sites.values()).count("device") for g in plan.graphs),

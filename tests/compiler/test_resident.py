@@ -399,6 +399,9 @@ def test_a_measured_step_lets_more_regions_become_resident():
     run(step, opt, batches[1:])
     assert all(opt.is_resident(params_of) for r in streamer.resident.regions
                for params_of in (streamer.params[i] for i in streamer.resident.regions[r]))
+    # explain counts the parameters whose state the optimizer keeps on the device
+    on_device = sum(p.numel() for p in streamed.parameters() if opt.is_resident(p))
+    assert megatrain.explain(step).resident_params == on_device > 0
     opt.synchronize()
     assert torch.equal(flat(streamed.parameters()), train(model, "host", batches, prefetch=0)["params"])
 

@@ -205,11 +205,7 @@ class Plan:
     @property
     def compile_seconds(self) -> dict[str, float]:
         """Wall seconds per compile phase (phases.py), summed over the graphs."""
-        total: dict[str, float] = {}
-        for g in self.graphs:
-            for name, s in g.compile_seconds.items():
-                total[name] = total.get(name, 0.0) + s
-        return total
+        return _summed(g.compile_seconds for g in self.graphs)
 
     @property
     def measured_peak_bytes(self) -> int | None:
@@ -232,11 +228,7 @@ class Plan:
     @property
     def host_needs(self) -> dict[str, int]:
         """Host bytes the graphs add beyond the model's parameters, by what holds them."""
-        out: dict[str, int] = {}
-        for g in self.graphs:
-            for k, v in g.host_needs.items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return _summed(g.host_needs for g in self.graphs)
 
     @property
     def notes(self) -> list[str]:
@@ -259,3 +251,12 @@ class Plan:
                 traces.append(timeline_mod.measured_trace(records, pid=2 * i + 2,
                                                           process=f"megatrain measured (graph {i})"))
         return timeline_mod.write_trace(timeline_mod.merge(traces), path)
+
+
+def _summed(per_graph) -> dict:
+    """Mappings of the graphs summed key by key, in the order keys first appear."""
+    total: dict = {}
+    for values in per_graph:
+        for k, v in values.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -314,11 +314,11 @@ def _updates_wait_for_norm(sh: _Shape, prog: Program) -> None:
     accumulations and holds."""
     last_copy = {d.step: d for d in prog.d2h if d.kind == "d2h"}
     forward = {r.id: i for i, r in enumerate(sh.problem.regions)}
-    for h in [h for h in prog.host if h.kind == "host_step"]:
-        hold = Task("host_hold", h.region, "host", h.micro, h.step)
-        copy = Task("d2h", h.region, "bw", h.micro, h.step)
-        prog.host.insert(prog.host.index(h), hold)
-        prog.data.extend([(copy, hold), (hold, h)])
+    holds = {h: Task("host_hold", h.region, "host", h.micro, h.step)
+             for h in prog.host if h.kind == "host_step"}
+    prog.host = [t for h in prog.host for t in ((holds[h], h) if h in holds else (h,))]
+    for h, hold in holds.items():
+        prog.data.extend([(Task("d2h", h.region, "bw", h.micro, h.step), hold), (hold, h)])
     # stable: accumulations and holds keep their arrival order
     prog.host.sort(key=lambda h: (h.step, h.kind == "host_step",
                                   forward[h.region] if h.kind == "host_step" else 0))

@@ -73,12 +73,13 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
         numel = sum(sh.weight[w].numel for w in ws)
         # a kept region (its weights are its own) is fetched once: no backward fetch
         copy = sh.copy_bytes[o] - (sh.link_bytes["bw"][o] if o in cfg.kept else 0)
-        out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, copy)
         if sh.problem.updates_wait:
             grad_bytes = round(sum(sh.weight[w].d2h_bytes for w in ws) / max(numel, 1))
             out[("host_hold", o, "host")] = costs.host_hold_seconds(numel, grad_bytes, rates)
             out[("host_step", o, "host")] = costs.host_clipped_step_seconds(numel, grad_bytes,
                                                                             rates, copy)
+        else:
+            out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, copy)
         out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, copy)
     return out
 

@@ -99,4 +99,3 @@ def device_alloc_retries(device: str) -> int | None:
     if device.startswith("cuda") and torch.cuda.is_available():
         return int(torch.cuda.memory_stats(torch.device(device)).get("num_alloc_retries", 0))
     return None
-

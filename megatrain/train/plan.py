@@ -243,13 +243,19 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
     compiled = ("; compile " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                          sorted(phases.items(), key=lambda kv: -kv[1]))
                 if phases else "")
-    step_s = info.predicted_step_s if not device.startswith("cpu") else None
+    step_s = _predicted_step_s(info, device)
     if step_s is None:
         return f"plan: {peak}{compiled}", None
     waits = info.waits
     waited = (f", GPU waits {fmt_seconds(sum(w.seconds for w in waits))} (most on "
               f"{_WAITED_ON[waits[0].reason]})" if waits else "")
     return f"plan: predicted step {fmt_seconds(step_s)}{waited}, {peak}{compiled}", step_s
+
+
+def _predicted_step_s(info, device: str) -> float | None:
+    """explain's predicted step, where the cost model holds: not on the CPU device
+    (plan_summary says why)."""
+    return info.predicted_step_s if not device.startswith("cpu") else None
 
 
 _WAITED_ON = {"host": "the host optimizer", "h2d": "weights coming in", "d2h": "gradients going out",
@@ -265,7 +271,7 @@ def plan_at_end(step_fn, device: str, n_params: int) -> tuple[str, float | None,
 
     info = megatrain.explain(step_fn)
     resident = info.resident_params
-    step_s = info.predicted_step_s if not device.startswith("cpu") else None
+    step_s = _predicted_step_s(info, device)
     words = [f"plan: {fmt_seconds(step_s)}"] if step_s is not None else []
     if resident:
         words.append(f"AdamW state of {resident / 1e6:,.0f} M params "

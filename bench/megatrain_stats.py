@@ -35,6 +35,10 @@ def _megatrain_stats(step_fn) -> dict:
             "compile_phases_s": {k: round(v, 3) for k, v in plan.compile_seconds.items()},
             # regions whose forward weights the plans keep for the backward (keep_weights)
             "kept_regions": sum(len(s.config.kept) for s in schedules),
+            # regions whose backward reads their saved matmul outputs instead of recomputing
+            # (compiler/keep.py), and the bytes every saved activation takes
+            "activations_kept": sum(len(g.kept_regions) for g in plan.graphs),
+            "saved_activation_bytes": sum(g.saved_activation_bytes for g in plan.graphs),
             # what the GPU waits for in the predicted step, largest first (plan/waits.py),
             # beside the measured stalls below
             "predicted_waits": [{"s": round(w.seconds, 5), "reason": w.reason, "region": w.region}

@@ -91,6 +91,10 @@ class UpdateSites:
         return f"reserve {self.reserve / 2**30:.2f} GiB: " + "; ".join(parts)
 
 
+# [kept graph regions, plan.keep.KeepChoice or None] of the last graph planned
+KEPT: list = []
+
+
 @contextlib.contextmanager
 def _stop_after_planning(sites: bool = False, rates=None):
     """The backend's schedule_step, planning as on CUDA with Inductor, then stopping; with
@@ -98,6 +102,8 @@ def _stop_after_planning(sites: bool = False, rates=None):
     made once the plan exists and the backward's gradient hand-offs are known). `rates`:
     plan with these instead of this machine's (a GPU run's `planned_rates`)."""
     import megatrain.compiler.backend as backend
+    from megatrain.compiler import keep as keep_mod
+    from megatrain.compiler import rates as rates_mod
     from megatrain.compiler import schedule as schedule_mod
     from megatrain.compiler import update_sites
     from megatrain.runtime import streamer as streamer_mod
@@ -125,6 +131,8 @@ def _stop_after_planning(sites: bool = False, rates=None):
 
     def choose_spy(mode, regions, params, rates, **kwargs):
         chosen = real_choose(mode, regions, params, rates, **kwargs)
+        if not planned:  # the kept-activations chooser scoring a candidate, before the plan
+            return chosen
         numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
         pids = {g.region: tuple(g.pids) for g in regions}
         acquiring = tuple(g.region for g in reversed(regions) if not g.shared)
@@ -132,6 +140,16 @@ def _stop_after_planning(sites: bool = False, rates=None):
 
     backend.schedule_step, update_sites.choose_sites = spy, choose_spy
     streamer_mod.Streamer.cast_staging_bytes = staging_as_on_cuda
+    # the decisions a calibrated device gets (which regions keep their activations)
+    real_calibrated, real_keep = rates_mod.CALIBRATED, keep_mod.choose
+    rates_mod.CALIBRATED = (*real_calibrated, "cpu")
+
+    def keep_spy(*args, **kwargs):
+        chosen, plain, choice = real_keep(*args, **kwargs)
+        KEPT[:] = [chosen.kept, choice]
+        return chosen, plain, choice
+
+    keep_mod.choose = keep_spy
     if rates is not None:
         schedule_mod.compile_rates = lambda device: rates
     try:
@@ -140,6 +158,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
         backend.schedule_step, update_sites.choose_sites = real, real_choose
         streamer_mod.Streamer.cast_staging_bytes = real_staging
         schedule_mod.compile_rates = real_rates
+        rates_mod.CALIBRATED, keep_mod.choose = real_calibrated, real_keep
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
@@ -211,6 +230,11 @@ def main(argv=None) -> int:
     print(f"{args.model} layers={args.layers or 'preset'} tokens={args.tokens} gpu_memory={args.gpu_memory}: "
           f"predicted peak {plan.peak_bytes / 2**30:.3f} GiB, {plan.config}")
     print(f"  at the peak: {peak_contents(plan)}")
+    if KEPT:
+        kept, choice = KEPT
+        scored = ", ".join(f"{n}: {'-' if s is None else f'{s:.3f}'}" for n, s in choice.scored) if choice else "forced"
+        print(f"  {len(kept)} regions keep their matmul outputs (no recompute); kept count -> "
+              f"predicted step s: {scored}")
     print(f"  predicted step {plan.step_time:.3f} s with every update on the host "
           f"(rates: {schedule.rates.device})")
     if sites is not None:

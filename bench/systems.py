@@ -176,6 +176,8 @@ def run_system(args) -> dict:
             forced["grad_chunk"] = args.grad_ring
         if args.no_offload:
             forced["offload"] = False
+        if args.keep_activations:
+            forced["keep_activations"] = args.keep_activations == "on"
         if args.keep_weights:
             forced["keep_weights"] = True
         if args.weight_shadow:
@@ -310,6 +312,7 @@ def run_system(args) -> dict:
         "huge_pages": args.huge_pages if args.system == "megatrain" else None,
         "grad_chunk": args.grad_ring if args.system == "megatrain" else None,
         "offload": not args.no_offload if args.system == "megatrain" else None,
+        "keep_activations": args.keep_activations if args.system == "megatrain" else None,
         "keep_weights": args.keep_weights if args.system == "megatrain" else None,
         "weight_shadow": args.weight_shadow if args.system == "megatrain" else None,
         **{k: statistics.median(p[k] for p in timed) for k in timed[0]},

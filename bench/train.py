@@ -158,6 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--huge-pages", default="on", choices=("on", "off"),
                    help="megatrain's host state on transparent huge pages (MEGATRAIN_HUGE_PAGES; "
                         "off: torch's allocator); variant megatrain+huge-pages=off")
+    p.add_argument("--keep-activations", default=None, choices=("on", "off"),
+                   help="megatrain: force megatrain.config.keep_activations (on: every region saves "
+                        "its matmul outputs for its backward, off: every region recomputes; default "
+                        "the planner's choice); variant megatrain+keep-activations=off")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")

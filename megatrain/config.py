@@ -57,6 +57,11 @@ updates = None
 backlog = None
 # Boundary activations may wait in host memory between the passes where the plan needs it.
 offload: bool = True
+# Regions whose backward reads the matmul and attention outputs their forward saved instead
+# of recomputing them (plan/keep.py): True every region that can, False none. None: the
+# planner's choice by predicted step on a device whose rates are calibrated (CUDA), none
+# elsewhere.
+keep_activations = None
 # Gradients to the host through a ring of 4 chunks of this many bytes, not region slabs.
 grad_chunk = None
 # The most host gradient slabs (None: two, more while the host lags and RAM allows).
@@ -66,8 +71,8 @@ keep_weights: bool = False
 # Stream bf16 weights from a page-locked copy megatrain.AdamW keeps current (bf16 only).
 weight_shadow: bool = False
 
-DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload", "grad_chunk",
-             "grad_slabs", "keep_weights", "weight_shadow")
+DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload",
+             "keep_activations", "grad_chunk", "grad_slabs", "keep_weights", "weight_shadow")
 
 
 def decisions() -> dict:

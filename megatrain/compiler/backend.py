@@ -26,7 +26,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import decide, outputs, rates
+from . import decide, keep, outputs, rates
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -286,9 +286,18 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                                  opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
-    def on_partition(fw, bw, saved):
+    def on_partition(split, candidates):
         with phase("planning", times):
-            transfers(fw, bw)
+            chosen, plain, plan.keep_choice = keep.choose(split, candidates, cap, opts, streamer)
+            try:
+                transfers(chosen.fw, chosen.bw)
+            except InfeasibleBudget:
+                if chosen is plain:
+                    raise
+                chosen = plain  # the mix was an estimate: the real kept graphs did not fit
+                transfers(chosen.fw, chosen.bw)
+            fw, bw, saved = chosen.fw, chosen.bw, chosen.saved
+            plan.kept_regions = chosen.kept
             plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
             handoffs = gradient_handoffs(bw) if bw is not None else []
             if handoffs:
@@ -338,17 +347,12 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     return compiled, plan, cap
 
 
-# Devices whose cost model is calibrated by a probe, so a predicted step means something: on
-# the CPU device the step is bound by dispatch overheads the model does not count.
-_PREDICTED_ON = ("cuda",)
-
-
 def _warn_if_slow(plan: GraphPlan, opts: Options, names: dict[int, str]) -> None:
     """Warn when the plan, with the update sites in effect, predicts a step much slower than
     its GPU compute, naming what the GPU waits for (plan/waits.py)."""
     ratio = config.slow_plan_ratio
     sched = plan.predicted_schedule
-    if ratio is None or sched is None or opts.device.type not in _PREDICTED_ON:
+    if ratio is None or sched is None or not rates.calibrated(opts.device):
         return
     text = slow_plan_warning(sched, ratio, names)
     if text is not None:

@@ -28,7 +28,9 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
     chosen = sched.plan
     itemsize = opts.compute_dtype.itemsize
     regions = update_sites.gradient_regions(handoffs)
-    sites, reserve, window = _update_sites(plan, opts, streamer, regions, cap.params) if regions else ({}, 0, 0)
+    sites, reserve, window = update_sites_for(
+        chosen.schedule.problem, plan.predicted_peak_bytes, sched.rates, opts, streamer, regions,
+        cap.params) if regions else ({}, 0, 0)
 
     out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
     offloaded_units = sorted(chosen.config.offloaded)
@@ -45,7 +47,8 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
         decisions.append(RegionDecision(
             id=r.id, name=r.name, params=tuple(g.pids) if g else (), update=sites.get(r.id, "host"),
             resident_candidate=bool(g) and opts.updates == "resident" and not g.shared,
-            boundary="offloaded" if r.id in offloaded else "kept"))
+            boundary="offloaded" if r.id in offloaded else "kept",
+            recompute=r.id not in plan.kept_regions))
     return StepPlan(
         regions=tuple(decisions), prefetch=chosen.config.slots - 1,
         weights_from="shadows" if opts.weight_shadow else "masters", keep_weights=opts.keep_weights,
@@ -55,19 +58,20 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
         predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time)
 
 
-def _update_sites(plan, opts: Options, streamer, regions, params: Sequence[torch.Tensor]):
-    """(site per region, the reserve beside the plan, the snapshot window): the device
-    memory the plan leaves free, less the weight path's cast staging, holds the gradient
-    snapshots that may await their copy (up to one fetch's gradients: the copies may then
-    lag the backward by a region) and then the updates placed on the device."""
-    problem = plan.schedule.plan.schedule.problem
+def update_sites_for(problem, peak: int, rates, opts: Options, streamer, regions,
+                     params: Sequence[torch.Tensor]):
+    """(site per region, the reserve beside the plan, the snapshot window) for a schedule of
+    `problem` peaking at `peak` bytes: the device memory it leaves free, less the weight
+    path's cast staging, holds the gradient snapshots that may await their copy (up to one
+    fetch's gradients: the copies may then lag the backward by a region) and then the
+    updates placed on the device."""
     itemsize = opts.compute_dtype.itemsize
     largest = update_sites.largest_fetch_params(problem, itemsize)
-    room = max(0, opts.gpu_memory - plan.predicted_peak_bytes - streamer.cast_staging_bytes(largest))
+    room = max(0, opts.gpu_memory - peak - streamer.cast_staging_bytes(largest))
     window = min(room, streamer.snapshot_window_bytes(largest))
     reserve = room - window
     sites = update_sites.choose_sites(
-        opts.updates, regions, params, plan.schedule.rates, grad_bytes=itemsize, reserve=reserve,
+        opts.updates, regions, params, rates, grad_bytes=itemsize, reserve=reserve,
         streamed_params=update_sites.backward_streamed_params(problem, itemsize))
     return sites, reserve, window
 

@@ -75,6 +75,9 @@ class Options:
     updates: str = "host"
     backlog: str | None = None
     offload: bool = True
+    # None: the planner's choice (compiler/keep.py); True/False: every region or none; or
+    # the names of the regions that keep
+    keep_activations: bool | frozenset[str] | None = None
     grad_chunk: int | None = None
     grad_slabs: int | None = None
     keep_weights: bool = False
@@ -177,6 +180,7 @@ def parse_options(options: dict | None) -> Options:
             f"megatrain's choice")
     offload = _flag(options, "offload", True, "boundary activations may wait in host memory "
                     "between the passes when the plan needs it")
+    keep_activations = _keep_activations(options.get("keep_activations"))
     grad_chunk = options.get("grad_chunk")
     if grad_chunk is not None:
         grad_chunk = parse_bytes(grad_chunk, "grad_chunk")
@@ -203,7 +207,8 @@ def parse_options(options: dict | None) -> Options:
     return Options(device=device, gpu_memory=gpu_memory, precision=precision, host_memory=host_memory,
                    outputs=outputs,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
-                   backlog=backlog, offload=offload, grad_chunk=grad_chunk, grad_slabs=grad_slabs,
+                   backlog=backlog, offload=offload, keep_activations=keep_activations,
+                   grad_chunk=grad_chunk, grad_slabs=grad_slabs,
                    keep_weights=keep_weights, weight_shadow=weight_shadow)
 
 
@@ -222,6 +227,17 @@ def _host_memory(value) -> int | None:
             f"host_memory={value!r} is {n} bytes, more than this host's {mem[1]} bytes of RAM: "
             f"give at most that, or leave host_memory unset for what is available now")
     return n
+
+
+def _keep_activations(value) -> bool | frozenset[str] | None:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    raise MegatrainValueError(
+        f"keep_activations={value!r}: give True (every region saves its matmul and attention "
+        f"outputs for its backward), False (every region recomputes its forward), region names "
+        f"(as megatrain.explain lists them) or None for megatrain's choice")
 
 
 def _flag(options: dict, name: str, default: bool, meaning: str) -> bool:

@@ -1,19 +1,27 @@
-"""megatrain's partition function: save region-boundary activations, recompute the rest.
+"""megatrain's partition function: save region-boundary activations, recompute the rest,
+except in the regions the plan keeps.
 
 Every forward node of the joint graph is tagged for torch's partitioner
 (`node.meta["recompute"]`, the selective-checkpointing policy):
     MUST_SAVE       an activation produced in one region and consumed in another (the
                     region's output, e.g. a layer's residual stream), or a random op's
                     output (recomputing it would draw a different mask);
+    PREFER_SAVE     in a *kept* region, the output of a FLOP-bound op (matmul, attention)
+                    computed from activations: saved if the backward reads it, so that
+                    region's backward recomputes only the memory-bound ops between them
+                    (norms, rotary, activations), never a matmul;
     MUST_RECOMPUTE  everything else: intermediates inside a region, every `fetch` (the
                     backward re-fetches the weight instead of keeping the device copy) and
                     everything derived from weights alone.
-So in backward each region recomputes its forward with its weights resident once: the
-weights cross PCIe twice per step, and no weight-derived tensor is ever saved.
+So in backward each region recomputes its forward with its weights resident once (or,
+kept, only its cheap ops): the weights cross PCIe twice per step, and no weight-derived
+tensor is ever saved. Which regions are kept is the plan's decision (compiler/keep.py):
+their saved matmul outputs live on the device from their forward to their backward.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +29,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from . import ops
+from .op_costs import flops
 from .sizes import tensor_nbytes
 
 
@@ -76,7 +85,10 @@ def analyse(graph: fx.Graph) -> JointAnalysis:
     return JointAnalysis(backward, data, weights)
 
 
-def tag_for_region_checkpointing(graph: fx.Graph) -> JointAnalysis:
+def tag_for_region_checkpointing(graph: fx.Graph, kept: frozenset[int] = frozenset()) -> JointAnalysis:
+    """Tag every forward node (module docstring); `kept`: the regions whose FLOP-bound
+    outputs are saved rather than recomputed. Tags are rewritten each call, so one joint
+    graph can be partitioned again with another kept set."""
     info = analyse(graph)
     for node in graph.nodes:
         if node.op != "call_function" or node in info.backward or _is_sym(node):
@@ -90,9 +102,37 @@ def tag_for_region_checkpointing(graph: fx.Graph) -> JointAnalysis:
             crosses = any(
                 u.op == "call_function" and u not in info.backward and region_of(u) != here
                 for u in node.users)
-            policy = CheckpointPolicy.MUST_SAVE if crosses else CheckpointPolicy.MUST_RECOMPUTE
+            if crosses:
+                policy = CheckpointPolicy.MUST_SAVE
+            elif here in kept and _flop_bound(node):
+                policy = CheckpointPolicy.PREFER_SAVE
+            else:
+                policy = CheckpointPolicy.MUST_RECOMPUTE
         node.meta["recompute"] = policy
     return info
+
+
+def _flop_bound(node: fx.Node) -> bool:
+    """A matmul or attention output (or one output of a multi-output attention op): what a
+    kept region saves. Views of them are recomputed (free)."""
+    if node.target is operator.getitem:
+        src = node.args[0]
+        return isinstance(src, fx.Node) and bool(flops(src))
+    return bool(flops(node))
+
+
+def kept_candidates(graph: fx.Graph) -> list[int]:
+    """Regions that own a FLOP-bound forward node computed from activations: the ones
+    keeping can spare a recompute, in forward order."""
+    info = analyse(graph)
+    seen: dict[int, None] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node in info.backward or node not in info.data_dependent:
+            continue
+        r = region_of(node)
+        if r is not None and r not in seen and flops(node):
+            seen[r] = None
+    return list(seen)
 
 
 def adopt_regions(graph: fx.Graph, known: set[fx.Node]) -> None:
@@ -162,7 +202,10 @@ def make_partition_fn(on_partition=None, joint_passes=None):
     """A partition_fn for aot_module_simplified.
 
     `joint_passes(joint, joint_inputs) -> joint` rewrites the joint graph first (lower.joint_passes);
-    `on_partition(fw, bw, saved) -> (fw, bw)` schedules the two graphs.
+    `on_partition(split, candidates) -> (fw, bw)` decides which regions to keep and
+    schedules the two graphs: `split(kept)` partitions the joint graph with that kept set
+    and returns (fw, bw, SavedActivations); `candidates` are the regions keeping can help
+    (kept_candidates). Without `on_partition` nothing is kept.
     """
 
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -172,12 +215,16 @@ def make_partition_fn(on_partition=None, joint_passes=None):
             known = set(joint_module.graph.nodes)
             joint_module = joint_passes(joint_module, joint_inputs)
             adopt_regions(joint_module.graph, known)
-        info = tag_for_region_checkpointing(joint_module.graph)
 
-        fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        check_saved(fw, num_fwd_outputs, info)
-        if on_partition is not None:
-            fw, bw = on_partition(fw, bw, saved_activations(fw, num_fwd_outputs))
-        return fw, bw
+        def split(kept: frozenset[int] = frozenset()):
+            info = tag_for_region_checkpointing(joint_module.graph, frozenset(kept))
+            fw, bw = default_partition(joint_module, joint_inputs, num_fwd_outputs=num_fwd_outputs,
+                                       **kwargs)
+            check_saved(fw, num_fwd_outputs, info)
+            return fw, bw, saved_activations(fw, num_fwd_outputs)
+
+        if on_partition is None:
+            return split()[:2]
+        return on_partition(split, kept_candidates(joint_module.graph))
 
     return partition

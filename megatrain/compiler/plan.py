@@ -35,6 +35,10 @@ class GraphPlan:
     # Wall seconds of each compile phase of this graph (phases.py); the backward's lowering
     # lands here when AOTAutograd compiles it, at the first backward.
     compile_seconds: dict[str, float] = field(default_factory=dict)
+    # Regions whose backward reads their saved matmul and attention outputs instead of
+    # recomputing (compiler/keep.py), and the chooser's scores (plan.keep.KeepChoice).
+    kept_regions: frozenset = frozenset()
+    keep_choice: object = None
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property
@@ -215,6 +219,12 @@ class Plan:
     @property
     def resident_params(self) -> int:
         return sum(g.resident_params for g in self.graphs)
+
+    @property
+    def kept_regions(self) -> list[str]:
+        """The regions whose backward reads the matmul and attention outputs their forward
+        saved instead of recomputing them (compiler/keep.py), by name."""
+        return [r.name for g in self.graphs for r in g.regions if r.id in g.kept_regions]
 
     @property
     def waits(self) -> list:

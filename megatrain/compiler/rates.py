@@ -21,6 +21,16 @@ from ..plan.costs import CPU, GPU_DEFAULT, Rates
 from . import op_costs
 from .phases import phase
 
+# Devices whose rates a probe calibrates, so a predicted step means something and the
+# planner may trade memory for predicted time (plan/keep.py): on the CPU device the step is
+# bound by dispatch overheads the cost model does not count.
+CALIBRATED = ("cuda",)
+
+
+def calibrated(device: torch.device | str) -> bool:
+    """Whether the cost model's predictions hold on `device` (CALIBRATED)."""
+    return torch.device(device).type in CALIBRATED
+
 
 def cached_rates(device: torch.device) -> Rates | None:
     name = probe.device_name(device)

@@ -46,6 +46,20 @@ class StepSchedule:
         return self.plan.config.slots
 
 
+def step_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
+                 device: torch.device, dtype: torch.dtype, fused: bool = False):
+    """(the planner's problem read off the graph pair, the rates it is planned with)."""
+    rates = compile_rates(device)
+    scale = kernel_flop_scales([fw.graph] + ([bw.graph] if bw is not None else []), device, rates)
+    return build_problem(fw, bw, params, device, dtype, fused, scale), rates
+
+
+def planner_options(prefetch: int, offload: bool, keep_weights: bool, training: bool) -> PlannerOptions:
+    """The planner's search space for the options (schedule_step's arguments)."""
+    return PlannerOptions(max_slots=prefetch + 1, offload=offload and training,
+                          keep=keep_weights and training)
+
+
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
                   offload: bool = True, fused: bool = False, keep_weights: bool = False,
@@ -55,16 +69,13 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
     `keep_weights`: regions may keep their forward weights for their backward;
     `region_names` and `param_names` name graph regions and parameters in what it says."""
-    rates = compile_rates(device)
-    scale = kernel_flop_scales([fw.graph] + ([bw.graph] if bw is not None else []), device, rates)
-    sp = build_problem(fw, bw, params, device, dtype, fused, scale)
+    sp, rates = step_problem(fw, bw, params, device, dtype, fused)
     joined = joined_streaming(sp, region_names or {}, param_names)
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)
     with noting(joined):
         plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
-                         options=PlannerOptions(max_slots=prefetch + 1, offload=offload and bw is not None,
-                                                keep=keep_weights and bw is not None))
+                         options=planner_options(prefetch, offload, keep_weights, bw is not None))
     validate(plan.schedule, budget)
     events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
     wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))

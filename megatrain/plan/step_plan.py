@@ -24,7 +24,9 @@ GRADIENT_ROUTES = ("slabs", "ring", "backlog")
 @dataclass(frozen=True)
 class RegionDecision:
     """One region: where its weights come from on a fetch, where its AdamW update runs,
-    and what happens to its boundary activation between the passes."""
+    what happens to its boundary activation between the passes, and whether its backward
+    recomputes its forward or reads the matmul and attention outputs the forward saved
+    (plan/keep.py)."""
 
     id: int
     name: str
@@ -32,6 +34,7 @@ class RegionDecision:
     update: str = "host"  # "host" | "device" | "resident" (megatrain.AdamW's site)
     resident_candidate: bool = False  # may keep its state on the device once room allows
     boundary: str = "kept"  # "kept" on the device | "offloaded" to host memory
+    recompute: bool = True  # False: its FLOP-bound outputs are saved for its backward
 
     def __post_init__(self):
         assert self.update in UPDATE_SITES, self.update
@@ -111,5 +114,6 @@ class StepPlan:
         for r in self.regions:
             lines.append(f"  {r.name}: update {r.update}"
                          + (" (resident candidate)" if r.resident_candidate and r.update != "resident" else "")
-                         + f", boundary {r.boundary}")
+                         + f", boundary {r.boundary}"
+                         + ("" if r.recompute else ", matmul outputs saved (no recompute)"))
         return "\n".join(lines)

@@ -238,7 +238,9 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
     import megatrain
 
     info = megatrain.explain(step_fn)
-    peak = f"planned peak device {fmt_bytes(info.predicted_peak_bytes)}"
+    kept = len(info.kept_regions)
+    peak = f"planned peak device {fmt_bytes(info.predicted_peak_bytes)}" + (
+        f" ({kept} of {len(info.regions)} regions keep their activations, no recompute)" if kept else "")
     phases = info.compile_seconds
     compiled = ("; compile " + ", ".join(f"{k} {v:.1f} s" for k, v in
                                          sorted(phases.items(), key=lambda kv: -kv[1]))
@@ -253,9 +255,10 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
 
 
 def _predicted_step_s(info, device: str) -> float | None:
-    """explain's predicted step, where the cost model holds: not on the CPU device
-    (plan_summary says why)."""
-    return info.predicted_step_s if not device.startswith("cpu") else None
+    """explain's predicted step, where the cost model holds (compiler.rates.calibrated)."""
+    from ..compiler.rates import calibrated
+
+    return info.predicted_step_s if calibrated(device) else None
 
 
 _WAITED_ON = {"host": "the host optimizer", "h2d": "weights coming in", "d2h": "gradients going out",

@@ -73,12 +73,16 @@ def test_plan_summary_predicts_the_step_where_the_cost_model_holds(monkeypatch):
     step_s, peak = random.uniform(0.01, 2.0), random.randint(1 << 20, 1 << 34)
     aot = random.uniform(0.5, 90.0)
     info = types.SimpleNamespace(predicted_step_s=step_s, predicted_peak_bytes=peak,
-                                 compile_seconds={"aot": aot, "planning": aot / 10}, waits=[])
+                                 compile_seconds={"aot": aot, "planning": aot / 10}, waits=[],
+                                 kept_regions=[], regions=[object()] * 5)
     monkeypatch.setattr(megatrain, "explain", lambda fn: info)
     line, predicted = plan_summary(object(), "cuda")
     assert predicted == step_s and "predicted step" in line and "planned peak device" in line
     assert f"; compile aot {aot:.1f} s, planning {aot / 10:.1f} s" in line   # longest first
-    assert "GPU waits" not in line
+    assert "GPU waits" not in line and "keep their activations" not in line
+    info.kept_regions = ["layers.0", "layers.1"]
+    line, _ = plan_summary(object(), "cuda")
+    assert "(2 of 5 regions keep their activations, no recompute)" in line
     from megatrain.plan.waits import Wait
     from megatrain.train.plan import fmt_seconds
 

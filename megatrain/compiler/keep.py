@@ -1,0 +1,105 @@
+"""Which regions keep their activations: the compiler's side of plan/keep.py.
+
+The partition function hands the backend `split(kept)`, which partitions the joint graph
+with a set of kept regions (partition.py tags their matmul and attention outputs to be
+saved). Deciding needs both extremes' costs, read off real graphs: the pair with every
+region recomputing (what the step is without this decision) and the pair with every
+candidate kept. plan.keep.choose_kept mixes the two problems region by region and scores
+each mix as the runtime would run it: the planner's fastest schedule within gpu_memory,
+then the update sites the room it leaves allows (resident AdamW state grows into the same
+device memory kept activations take), with the optimizer's wait for the clip's norm. The
+chosen pair is partitioned once more when it is neither extreme, and planned for real
+by the caller: should that plan not fit (the mix is an estimate of the real graphs), the
+recompute pair stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ..errors import MegatrainValueError
+from ..optim.registry import sole_owner
+from ..plan.keep import KeepChoice, choose_kept, comparable
+from ..plan.search import InfeasibleBudget, plan_step
+from . import decide, rates, update_sites
+from .options import Options
+from .passes import gradient_handoffs
+from .schedule import planner_options, step_problem
+
+
+@dataclass
+class Split:
+    """One partition of the joint graph: the pair, what it saves, and its kept regions."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule | None
+    saved: object  # partition.SavedActivations
+    kept: frozenset[int] = frozenset()
+
+
+def choose(split, candidates: list[int], cap, opts: Options,
+           streamer) -> tuple[Split, Split, KeepChoice | None]:
+    """(the pair to plan, the recompute pair to fall back to, the chooser's answer or None
+    where the set was forced). `split(kept)` partitions with `kept` (graph region ids)."""
+    plain = Split(*split(frozenset()))
+    forced = opts.keep_activations
+    if plain.bw is None or not candidates or forced is False:
+        return plain, plain, None
+    if isinstance(forced, frozenset):
+        regions = _named(forced, cap.regions.regions) & frozenset(candidates)
+        return (Split(*split(regions), kept=regions) if regions else plain), plain, None
+    everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
+    if forced:
+        return everything, plain, None
+    if not rates.calibrated(opts.device):
+        return plain, plain, None
+    fused = opts.lowering == "inductor" and opts.device.type == "cuda"
+    sp0, planned_rates = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
+    sp1, _ = step_problem(everything.fw, everything.bw, cap.params, opts.device, opts.compute_dtype, fused)
+    p0, p1 = sp0.problem.substitute(sp0.dims), sp1.problem.substitute(sp1.dims)
+    if sp0.units != sp1.units or not comparable(p0, p1):
+        return plain, plain, None  # the two partitions stream differently: keep it simple
+    score = _scorer(cap, opts, streamer, gradient_handoffs(plain.bw), planned_rates)
+    choice = choose_kept(p0, p1, planned_rates, score)
+    regions = frozenset(g for u in choice.kept for g in sp0.units.get(u, (u,))) & frozenset(candidates)
+    if not regions:
+        return plain, plain, choice
+    if regions == everything.kept:
+        return everything, plain, choice
+    return Split(*split(regions), kept=regions), plain, choice
+
+
+def _scorer(cap, opts: Options, streamer, handoffs, planned_rates):
+    """score(problem) -> the predicted step as the runtime runs it, or None where no
+    schedule fits gpu_memory."""
+    regions = update_sites.gradient_regions(handoffs)
+    pids = {g.region: g.pids for g in regions}
+    owner = sole_owner([cap.params[p] for _, p in handoffs]) if handoffs else None
+    waits = owner is not None and owner.waits_for_norm()
+    options = planner_options(opts.prefetch, opts.offload, opts.keep_weights, training=True)
+
+    def score(problem) -> float | None:
+        try:
+            plan = plan_step(problem, opts.gpu_memory, planned_rates, options=options)
+        except InfeasibleBudget:
+            return None
+        if not regions:
+            return plan.step_time
+        sites, _, _ = decide.update_sites_for(problem, plan.peak_bytes, planned_rates, opts, streamer,
+                                              regions, cap.params)
+        return update_sites.timed_with_sites(plan.schedule, planned_rates, sites, pids,
+                                             updates_wait=waits).step_time
+
+    return score
+
+
+def _named(names: frozenset[str], regions) -> frozenset[int]:
+    """The ids of the regions called `names`; an unknown name is an error naming them all."""
+    ids = {r.name: r.id for r in regions}
+    unknown = sorted(names - set(ids))
+    if unknown:
+        raise MegatrainValueError(f"keep_activations names {unknown}, which are not regions of this "
+                                  f"graph; its regions are {list(ids)}")
+    return frozenset(ids[n] for n in names)

@@ -1,0 +1,221 @@
+"""Regions that keep their activations (compiler/keep.py, plan/keep.py): their backward
+reads the matmul and attention outputs the forward saved instead of recomputing them.
+
+Exactness: kept, mixed kept/recomputed and kept/offloaded plans train like eager fp32 on
+the own Llama and a Hugging Face Llama. Mechanism: a kept region's backward runs no
+forward matmul again (the backward graph has exactly that many fewer matmuls). Decision:
+on random problems the chooser's pick fits the budget, is never predicted slower than
+recomputing everywhere, and more budget never predicts a slower pick.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from megatrain.compiler import rates as rates_mod
+from megatrain.errors import MegatrainValueError
+from megatrain.models import Llama, LlamaConfig
+from megatrain.plan import keep
+from megatrain.plan.problem import Problem
+from megatrain.plan.search import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.plan.validate import min_budget, validate
+
+from .helpers import least_budgets, random_batches, rel, train_side_by_side
+from .test_activation_offload import BUDGET as OFFLOAD_BUDGET
+from .test_activation_offload import model as offload_model
+from .test_planner import budget_settings, problems, rates_st
+
+
+def _llama(layers=3):
+    return Llama(LlamaConfig(vocab_size=96, hidden=48, layers=layers, heads=4, kv_heads=2, ffn=96,
+                             rope_theta=10000.0))
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+    class Loss(torch.nn.Module):  # train_side_by_side's call: model(ids, labels=...) -> loss
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, ids, labels):
+            return self.inner(input_ids=ids, labels=labels).loss
+
+    return Loss()
+
+
+def _opts(keep_activations, gpu_memory=None, lowering="eager"):
+    o = {"device": "cpu", "precision": "fp32", "lowering": lowering, "keep_activations": keep_activations}
+    if gpu_memory is not None:
+        o["gpu_memory"] = gpu_memory
+    return o
+
+
+def _assert_like_eager(out):
+    for a, b in zip(out["loss"], out["loss_ref"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (out["loss"], out["loss_ref"])
+    assert rel(out["grads"], out["grads_ref"]) < 1e-5
+    assert rel(out["params"], out["params_ref"]) < 1e-3
+
+
+def _mm_count(code: str) -> int:
+    return code.count("torch.ops.aten.mm.default(")
+
+
+def _layer_names(plan):
+    return [r.name for r in plan.regions if r.name not in ("prologue", "epilogue")]
+
+
+@pytest.mark.parametrize("build", [_llama, _hf_llama], ids=["own_llama", "hf_llama"])
+def test_kept_and_mixed_plans_train_like_eager_and_skip_the_matmul_recompute(build):
+    """Every region kept, then every other layer: exact against eager, the kept regions are
+    the plan's (StepPlan.recompute False exactly there), and the backward computes exactly
+    the kept regions' forward matmuls fewer times than with every region recomputing."""
+    torch.manual_seed(random.randint(0, 10**6))
+    model = build()
+    batches = random_batches(96, 3, batch=2, seq=32)
+    runs = {}
+    plain = train_side_by_side(model, batches, _opts(False))
+    names = _layer_names(plain["plan"])
+    for label, forced in (("all", True), ("mixed", names[::2])):
+        torch._dynamo.reset()
+        out = train_side_by_side(model, batches, _opts(forced))
+        _assert_like_eager(out)
+        runs[label] = out
+    _assert_like_eager(plain)
+
+    g0 = plain["plan"].graphs[0]
+    assert not g0.kept_regions and all(r.recompute for r in g0.step_plan.regions)
+    fw_mm = _mm_count(g0.forward_code)
+    # each forward matmul has two in the backward (the input's and the weight's gradient);
+    # recomputing adds the forward's own again
+    assert _mm_count(g0.backward_code) > 2 * fw_mm
+    for label, out in runs.items():
+        g = out["plan"].graphs[0]
+        kept = g.kept_regions
+        by_name = {r.id: r.name for r in out["plan"].regions}
+        assert {r.id for r in g.step_plan.regions if not r.recompute} == set(kept)
+        assert g.saved_activation_bytes > g0.saved_activation_bytes
+        assert _mm_count(g.forward_code) == fw_mm
+        if label == "all":
+            assert {by_name[r] for r in kept} >= set(names)
+            assert _mm_count(g.backward_code) == 2 * fw_mm  # no forward matmul runs again
+        else:
+            assert {by_name[r] for r in kept} == set(names[::2])
+            assert 2 * fw_mm < _mm_count(g.backward_code) < _mm_count(g0.backward_code)
+
+
+def test_kept_activations_can_wait_in_host_memory():
+    """Kept regions at a budget that fits only with boundary activations offloaded: the kept
+    matmul outputs go to host memory with them and come back for the backward, and the
+    step trains like eager (keep, recompute and offload in one plan)."""
+    torch.manual_seed(0)
+    batches = random_batches(64, 3, batch=8, seq=64)
+    roomy = train_side_by_side(offload_model(), batches, _opts(True, 64 * OFFLOAD_BUDGET), steps=1)
+    need = least_budgets(roomy["plan"].graphs[0].schedule)
+    assert need[True] < need[False]
+    budget = (need[True] + need[False]) // 2
+    torch._dynamo.reset()
+    out = train_side_by_side(offload_model(), batches, _opts(True, budget))
+    _assert_like_eager(out)
+    g = out["plan"].graphs[0]
+    assert g.kept_regions and g.schedule.plan.config.offloaded & set(g.kept_regions)
+    assert g.predicted_peak_bytes <= budget
+    store = g.streamer.activations
+    assert store.emptied_bytes > 0 and store.reloaded_bytes == store.emptied_bytes
+
+
+def test_the_cost_model_chooses_on_a_calibrated_device(monkeypatch):
+    """With the CPU counted as calibrated, keep_activations=None asks the cost model: at a
+    generous budget it keeps regions, its pick is predicted no slower than recomputing
+    everywhere, and the step trains like eager; at the leanest budget it keeps none."""
+    monkeypatch.setattr(rates_mod, "CALIBRATED", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    batches = random_batches(96, 3, batch=2, seq=32)
+    out = train_side_by_side(_llama(), batches, _opts(None, 64 << 20))
+    _assert_like_eager(out)
+    g = out["plan"].graphs[0]
+    choice = g.keep_choice
+    assert choice is not None and choice.kept and g.kept_regions
+    scored = dict(choice.scored)
+    assert scored[0] is not None and choice.step_s <= scored[0]
+    assert choice.step_s == min(s for s in scored.values() if s is not None) or \
+        choice.step_s <= min(s for s in scored.values() if s is not None) * (1 + keep.TIE)
+
+
+def test_an_unknown_region_name_is_refused_with_the_names():
+    torch.manual_seed(0)
+    with pytest.raises(MegatrainValueError, match="layers.0"):
+        train_side_by_side(_llama(), random_batches(96, 1, batch=2, seq=32), _opts(["nope"]), steps=1)
+
+
+# -- the chooser on random problems ----------------------------------------------------
+
+
+def _kept_twin(problem: Problem, data) -> Problem:
+    """`problem` as if every region kept: more bytes saved, its backward without the
+    recompute (the simulator charges flops_fw + flops_bw)."""
+    from dataclasses import replace
+
+    regions = []
+    for r in problem.regions:
+        b = 2 * r.flops_fw if r.flops_bw is None else r.flops_bw
+        tb = 2 * r.traffic_fw if r.traffic_bw is None else r.traffic_bw
+        extra = data.draw(st.integers(0, 1 << 28))
+        regions.append(replace(r, out_bytes=r.out_bytes + extra, flops_bw=max(b - r.flops_fw, 0),
+                               traffic_bw=max(tb - r.traffic_fw, 0)))
+    return replace(problem, regions=tuple(regions))
+
+
+def _score(budget, rates):
+    def score(p):
+        try:
+            return plan_step(p, budget, rates, options=PlannerOptions(max_slots=2)).step_time
+        except InfeasibleBudget:
+            return None
+    return score
+
+
+@budget_settings(120)
+@given(problem=problems(max_regions=7), rates=rates_st, factor=st.floats(1.0, 4.0),
+       more=st.floats(1.0, 3.0), data=st.data())
+def test_the_chooser_fits_never_loses_to_recompute_and_likes_more_budget(problem, rates, factor, more, data):
+    assume(problem.training)
+    twin = _kept_twin(problem, data)
+    assert keep.comparable(problem, twin)
+    budget = int(min_budget(problem) * factor)
+    choice = keep.choose_kept(problem, twin, rates, _score(budget, rates))
+    plain = _score(budget, rates)(problem)
+    assert plain is not None  # the recompute problem fits: factor >= 1
+    assert choice.step_s is not None and choice.step_s <= plain
+    mixed = keep.mixed(problem, twin, choice.kept)
+    plan = plan_step(mixed, budget, rates, options=PlannerOptions(max_slots=2))
+    validate(plan.schedule, budget)
+    assert plan.step_time == pytest.approx(choice.step_s)
+    larger = keep.choose_kept(problem, twin, rates, _score(int(budget * more), rates))
+    assert larger.step_s <= choice.step_s * (1 + keep.TIE) + 1e-12
+
+
+def test_the_chooser_keeps_where_compute_bounds_the_step_and_not_where_memory_is_short():
+    """A chain of equal layers on fast links: with room for every kept layer it keeps them
+    all (each saves a recompute); at the recompute plan's own least budget it keeps none."""
+    from megatrain.plan.costs import GPU_DEFAULT
+
+    n, wbytes, out, flops = 8, 1 << 20, 1 << 20, 1 << 40
+    plain = Problem.chain([wbytes] * n, out_bytes=out, flops=flops)
+    twin = Problem.chain([wbytes] * n, out_bytes=8 * out, flops=flops)
+    from dataclasses import replace
+    twin = replace(twin, regions=tuple(replace(r, flops_bw=r.flops_fw) for r in twin.regions))
+    roomy = keep.choose_kept(plain, twin, GPU_DEFAULT, _score(1 << 34, GPU_DEFAULT))
+    assert roomy.kept == frozenset(range(n))
+    tight = keep.choose_kept(plain, twin, GPU_DEFAULT, _score(min_budget(plain), GPU_DEFAULT))
+    assert len(tight.kept) < n

@@ -45,7 +45,8 @@ def choose(split, candidates: list[int], cap, opts: Options,
     where the set was forced). `split(kept)` partitions with `kept` (graph region ids)."""
     plain = Split(*split(frozenset()))
     forced = opts.keep_activations
-    if plain.bw is None or not candidates or forced is False:
+    if plain.bw is None or not candidates or forced is False \
+            or (forced is None and not rates.calibrated(opts.device)):
         return plain, plain, None
     if isinstance(forced, frozenset):
         regions = _named(forced, cap.regions.regions) & frozenset(candidates)
@@ -53,8 +54,6 @@ def choose(split, candidates: list[int], cap, opts: Options,
     everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
     if forced:
         return everything, plain, None
-    if not rates.calibrated(opts.device):
-        return plain, plain, None
     fused = opts.lowering == "inductor" and opts.device.type == "cuda"
     sp0, planned_rates = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
     sp1, _ = step_problem(everything.fw, everything.bw, cap.params, opts.device, opts.compute_dtype, fused)

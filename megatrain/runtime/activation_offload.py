@@ -164,7 +164,20 @@ def _identity(t: torch.Tensor) -> int:
 
 def _sole_owner(t: torch.Tensor) -> bool:
     """Whether emptying `t`'s storage frees nothing another tensor still needs: `t` covers
-    the whole storage (the graph's other outputs are never views of a saved activation's
-    buffer, but check rather than assume)."""
-    return t.storage_offset() == 0 and t.is_contiguous() and \
+    the whole storage, each byte once, in any dimension order (attention kernels return
+    their output as a permuted view of a dense buffer; the parked bytes are the storage's,
+    so the strides come back as they were). The graph's other outputs are never views of a
+    saved activation's buffer, but check rather than assume."""
+    return t.storage_offset() == 0 and _dense(t) and \
         t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements tile a block of memory without gaps or overlaps: its strides,
+    smallest first, are the running products of the sizes."""
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -114,9 +114,10 @@ def test_kept_and_mixed_plans_train_like_eager_and_skip_the_matmul_recompute(bui
             assert 2 * fw_mm < _mm_count(g.backward_code) < _mm_count(g0.backward_code)
 
 
-def test_kept_activations_can_wait_in_host_memory():
+def test_kept_activations_can_wait_in_host_memory(recwarn):
     """Kept regions at a budget that fits only with boundary activations offloaded: the kept
-    matmul outputs go to host memory with them and come back for the backward, and the
+    matmul outputs go to host memory with them, their device bytes freed (attention's output
+    is a permuted view of its buffer, and still freed), and come back for the backward; the
     step trains like eager (keep, recompute and offload in one plan)."""
     torch.manual_seed(0)
     batches = random_batches(64, 3, batch=8, seq=64)
@@ -132,6 +133,19 @@ def test_kept_activations_can_wait_in_host_memory():
     assert g.predicted_peak_bytes <= budget
     store = g.streamer.activations
     assert store.emptied_bytes > 0 and store.reloaded_bytes == store.emptied_bytes
+    assert not [w for w in recwarn if "shares its storage" in str(w.message)]
+
+
+def test_a_permuted_dense_tensor_owns_its_storage_and_a_slice_does_not():
+    from megatrain.runtime.activation_offload import _sole_owner
+
+    shape = [random.randint(1, 5) for _ in range(4)]
+    base = torch.empty(shape)
+    assert _sole_owner(base.permute(*random.sample(range(4), 4)))
+    assert _sole_owner(base.transpose(1, 2))
+    assert not _sole_owner(torch.empty(6, 4)[:, :2])  # half the storage
+    assert not _sole_owner(torch.empty(6, 4)[1:])
+    assert not _sole_owner(torch.empty(4, 1).expand(4, 3))  # overlapping
 
 
 def test_the_cost_model_chooses_on_a_calibrated_device(monkeypatch):

@@ -114,7 +114,9 @@ def _stop_after_planning(sites: bool = False, rates=None):
     planned = []
 
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
-            keep_weights=False, **names):
+            keep_weights=False, problem=None, **names):
+        # a problem the backend read off the pair is dropped: it was read with the CPU's
+        # lowering (fused=False), and the preview plans as on CUDA
         try:
             schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights, **names)
         except Exception as e:  # InfeasibleBudget: its message is the answer

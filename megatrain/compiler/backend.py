@@ -271,13 +271,13 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
                      kernels=applied, compile_seconds=times)
 
-    def transfers(fw, bw):
+    def transfers(fw, bw, problem=None):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
                               opts.prefetch, opts.offload,
                               fused=opts.lowering == "inductor" and opts.device.type == "cuda",
                               keep_weights=opts.keep_weights, region_names=streamer.region_names,
-                              param_names=cap.fqns)
+                              param_names=cap.fqns, problem=problem)
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
@@ -290,12 +290,12 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         with phase("planning", times):
             chosen, plain, plan.keep_choice = keep.choose(split, candidates, cap, opts, streamer)
             try:
-                transfers(chosen.fw, chosen.bw)
+                transfers(chosen.fw, chosen.bw, chosen.problem)
             except InfeasibleBudget:
                 if chosen is plain:
                     raise
                 chosen = plain  # the mix was an estimate: the real kept graphs did not fit
-                transfers(chosen.fw, chosen.bw)
+                transfers(chosen.fw, chosen.bw, chosen.problem)
             fw, bw, saved = chosen.fw, chosen.bw, chosen.saved
             plan.kept_regions = chosen.kept
             plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes

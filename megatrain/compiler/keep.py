@@ -37,6 +37,7 @@ class Split:
     bw: fx.GraphModule | None
     saved: object  # partition.SavedActivations
     kept: frozenset[int] = frozenset()
+    problem: tuple | None = None  # (StepProblem, Rates) once read off the pair: not read twice
 
 
 def choose(split, candidates: list[int], cap, opts: Options,
@@ -55,8 +56,10 @@ def choose(split, candidates: list[int], cap, opts: Options,
     if forced:
         return everything, plain, None
     fused = opts.lowering == "inductor" and opts.device.type == "cuda"
-    sp0, planned_rates = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
-    sp1, _ = step_problem(everything.fw, everything.bw, cap.params, opts.device, opts.compute_dtype, fused)
+    plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
+    everything.problem = step_problem(everything.fw, everything.bw, cap.params, opts.device,
+                                      opts.compute_dtype, fused)
+    (sp0, planned_rates), (sp1, _) = plain.problem, everything.problem
     p0, p1 = sp0.problem.substitute(sp0.dims), sp1.problem.substitute(sp1.dims)
     if sp0.units != sp1.units or not comparable(p0, p1):
         return plain, plain, None  # the two partitions stream differently: keep it simple

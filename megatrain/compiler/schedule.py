@@ -63,13 +63,15 @@ def planner_options(prefetch: int, offload: bool, keep_weights: bool, training: 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
                   offload: bool = True, fused: bool = False, keep_weights: bool = False,
-                  region_names: dict[int, str] | None = None, param_names: list[str] = ()) -> StepSchedule:
+                  region_names: dict[int, str] | None = None, param_names: list[str] = (),
+                  problem: tuple | None = None) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
     `offload`: boundary activations may wait in host memory between the passes; `fused`:
     Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
     `keep_weights`: regions may keep their forward weights for their backward;
-    `region_names` and `param_names` name graph regions and parameters in what it says."""
-    sp, rates = step_problem(fw, bw, params, device, dtype, fused)
+    `region_names` and `param_names` name graph regions and parameters in what it says;
+    `problem`: step_problem's answer for this pair with these arguments, if already read."""
+    sp, rates = problem if problem is not None else step_problem(fw, bw, params, device, dtype, fused)
     joined = joined_streaming(sp, region_names or {}, param_names)
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)

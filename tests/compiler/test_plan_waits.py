@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import megatrain
-from megatrain.compiler import backend
+from megatrain.compiler import rates
 from megatrain.models import Llama
 from megatrain.plan.costs import GPU_DEFAULT
 from megatrain.plan.problem import Problem, RegionSpec, Weight
@@ -96,7 +96,7 @@ def test_the_backend_warns_of_a_slow_plan_naming_a_region(monkeypatch, ratio):
     """Where predictions hold (a CUDA device; the CPU let in here), the backend warns once a
     graph's predicted step is `slow_plan_ratio` times its compute, naming a region of the
     model by its name and what it waits for; slow_plan_ratio=None warns of nothing."""
-    monkeypatch.setattr(backend, "_PREDICTED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(rates, "CALIBRATED", ("cuda", "cpu"))
     torch.manual_seed(random.randint(0, 10**6))
     model = Llama(small_llama_config(layers=2))
     (ids, labels), = random_batches(model.config.vocab_size, 1, batch=2, seq=8)

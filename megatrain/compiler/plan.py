@@ -100,9 +100,10 @@ class GraphPlan:
         """`update_sites` as the runtime has them now: with updates="resident" the regions
         resident at this moment (the set grows once a measured step shows room, and
         shrinks as regions are sent home), whatever the compile chose for them."""
-        live = getattr(getattr(self.streamer, "resident", None), "regions", None)
-        if live is None:
+        r = self._resident
+        if r is None:
             return dict(self.update_sites)
+        live = r.regions
         from .update_sites import with_live_resident
         return with_live_resident(self.update_sites, live)
 
@@ -153,7 +154,7 @@ class GraphPlan:
         runtime's live set: ``update_sites`` is the compile's choice, and the set grows
         once a measured step shows room, or shrinks as regions go home), with "resident",
         and those sent home with why."""
-        r = getattr(self.streamer, "resident", None)
+        r = self._resident
         if r is None:
             return {}
         return {**dict.fromkeys(r.regions, "resident"), **r.demoted}
@@ -170,10 +171,16 @@ class GraphPlan:
     @property
     def resident_params(self) -> int:
         """Parameters whose master weights and AdamW moments live on the device now."""
-        r = getattr(self.streamer, "resident", None)
+        r = self._resident
         if r is None:
             return 0
         return sum(self.streamer.params[p].numel() for pids in r.regions.values() for p in pids)
+
+    @property
+    def _resident(self):
+        """The runtime's resident regions (runtime/resident_regions.py), None without
+        resident state or a runtime."""
+        return self.streamer.resident if self.streamer is not None else None
 
     @property
     def measured_records(self) -> list:

@@ -92,10 +92,9 @@ def choose_kept(recompute: Problem, kept: Problem, rates: costs.Rates,
     order = keep_order(recompute, kept, rates)
     results: dict[int, float | None] = {}
 
-    def at(n: int) -> float | None:
+    def at(n: int) -> None:
         if n not in results:
             results[n] = score(mixed(recompute, kept, order[:n]))
-        return results[n]
 
     for n in _grid(len(order)):
         at(n)

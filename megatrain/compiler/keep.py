@@ -15,6 +15,7 @@ recompute pair stands.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -43,7 +44,10 @@ class Split:
 def choose(split, candidates: list[int], cap, opts: Options,
            streamer) -> tuple[Split, Split, KeepChoice | None]:
     """(the pair to plan, the recompute pair to fall back to, the chooser's answer or None
-    where the set was forced). `split(kept)` partitions with `kept` (graph region ids)."""
+    where the set was forced). `split(kept)` partitions with `kept` (graph region ids).
+    Keeping is a speed-up, so a failure while deciding it (a graph whose kept partition
+    torch cannot make) warns and recomputes rather than stopping the compile; a forced
+    set raises."""
     plain = Split(*split(frozenset()))
     forced = opts.keep_activations
     if plain.bw is None or not candidates or forced is False \
@@ -52,9 +56,22 @@ def choose(split, candidates: list[int], cap, opts: Options,
     if isinstance(forced, frozenset):
         regions = _named(forced, cap.regions.regions) & frozenset(candidates)
         return (Split(*split(regions), kept=regions) if regions else plain), plain, None
-    everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
     if forced:
-        return everything, plain, None
+        return Split(*split(frozenset(candidates)), kept=frozenset(candidates)), plain, None
+    try:
+        chosen, choice = _decide(split, plain, candidates, cap, opts, streamer)
+    except Exception as e:  # noqa: BLE001  (any failure here only costs the speed-up)
+        warnings.warn(f"megatrain: could not decide which regions keep their activations "
+                      f"({type(e).__name__}: {e}); every region recomputes its forward",
+                      RuntimeWarning, stacklevel=2)
+        return plain, plain, None
+    return chosen, plain, choice
+
+
+def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
+            streamer) -> tuple[Split, KeepChoice | None]:
+    """The cost model's pick (module docstring): the pair to plan and the chooser's answer."""
+    everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
     fused = opts.lowering == "inductor" and opts.device.type == "cuda"
     plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
     everything.problem = step_problem(everything.fw, everything.bw, cap.params, opts.device,
@@ -62,15 +79,15 @@ def choose(split, candidates: list[int], cap, opts: Options,
     (sp0, planned_rates), (sp1, _) = plain.problem, everything.problem
     p0, p1 = sp0.problem.substitute(sp0.dims), sp1.problem.substitute(sp1.dims)
     if sp0.units != sp1.units or not comparable(p0, p1):
-        return plain, plain, None  # the two partitions stream differently: keep it simple
+        return plain, None  # the two partitions stream differently: keep it simple
     score = _scorer(cap, opts, streamer, gradient_handoffs(plain.bw), planned_rates)
     choice = choose_kept(p0, p1, planned_rates, score)
     regions = frozenset(g for u in choice.kept for g in sp0.units.get(u, (u,))) & frozenset(candidates)
     if not regions:
-        return plain, plain, choice
+        return plain, choice
     if regions == everything.kept:
-        return everything, plain, choice
-    return Split(*split(regions), kept=regions), plain, choice
+        return everything, choice
+    return Split(*split(regions), kept=regions), choice
 
 
 def _scorer(cap, opts: Options, streamer, handoffs, planned_rates):

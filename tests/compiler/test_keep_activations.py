@@ -166,6 +166,23 @@ def test_the_cost_model_chooses_on_a_calibrated_device(monkeypatch):
         choice.step_s <= min(s for s in scored.values() if s is not None) * (1 + keep.TIE)
 
 
+def test_a_failure_while_deciding_warns_and_recomputes(monkeypatch):
+    """Keeping is a speed-up: should deciding it fail (here the chooser raises), the compile
+    warns, every region recomputes, and the step trains like eager."""
+    from megatrain.compiler import keep as compiler_keep
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kept partition for this graph")
+
+    monkeypatch.setattr(rates_mod, "CALIBRATED", ("cuda", "cpu"))
+    monkeypatch.setattr(compiler_keep, "choose_kept", broken)
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="no kept partition for this graph"):
+        out = train_side_by_side(_llama(), random_batches(96, 3, batch=2, seq=32), _opts(None, 64 << 20))
+    _assert_like_eager(out)
+    assert not out["plan"].graphs[0].kept_regions
+
+
 def test_an_unknown_region_name_is_refused_with_the_names():
     torch.manual_seed(0)
     with pytest.raises(MegatrainValueError, match="layers.0"):

@@ -291,9 +291,13 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             chosen, plain, plan.keep_choice = keep.choose(split, candidates, cap, opts, streamer)
             try:
                 transfers(chosen.fw, chosen.bw, chosen.problem)
-            except InfeasibleBudget:
+            except InfeasibleBudget as e:
                 if chosen is plain:
                     raise
+                if opts.keep_activations is not None:  # forced: say that it did not happen
+                    warnings.warn(f"megatrain: keep_activations={opts.keep_activations!r} does not fit "
+                                  f"gpu_memory ({e}); every region recomputes its forward",
+                                  RuntimeWarning, stacklevel=2)
                 chosen = plain  # the mix was an estimate: the real kept graphs did not fit
                 transfers(chosen.fw, chosen.bw, chosen.problem)
             fw, bw, saved = chosen.fw, chosen.bw, chosen.saved

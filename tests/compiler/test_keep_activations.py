@@ -183,6 +183,27 @@ def test_a_failure_while_deciding_warns_and_recomputes(monkeypatch):
     assert not out["plan"].graphs[0].kept_regions
 
 
+def test_a_forced_keep_that_does_not_fit_says_so_and_recomputes():
+    """keep_activations=True at a budget that holds the recomputing plan but not the kept
+    one (no offload): a warning names the forced value, and the step recomputes and trains
+    like eager."""
+    torch.manual_seed(0)
+    batches = random_batches(64, 3, batch=8, seq=64)
+    need = {}
+    for keep_them in (False, True):
+        torch._dynamo.reset()
+        out = train_side_by_side(offload_model(), batches, {**_opts(keep_them, 64 * OFFLOAD_BUDGET),
+                                                            "offload": False}, steps=1)
+        need[keep_them] = least_budgets(out["plan"].graphs[0].schedule)[False]
+    assert need[False] < need[True]
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="keep_activations=True does not fit"):
+        out = train_side_by_side(offload_model(), batches,
+                                 {**_opts(True, (need[False] + need[True]) // 2), "offload": False})
+    _assert_like_eager(out)
+    assert not out["plan"].graphs[0].kept_regions
+
+
 def test_an_unknown_region_name_is_refused_with_the_names():
     torch.manual_seed(0)
     with pytest.raises(MegatrainValueError, match="layers.0"):

@@ -5,12 +5,10 @@
 # the rest; logs, rows and profiles go to $OUT.
 #   bash bench/gpu_session.sh
 # Env:
-#   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default: 3B
-#                  at 16k tokens, 20 GiB (within the issue's 1.3x of FSDP2's 17.5 GiB
-#                  peak), megatrain with resident AdamW state, the fused loss and
-#                  backlog="host" beside resident compiled, with --memory-peak: session 20
-#                  measured 0.93x at a 17.7 GiB peak once gradient snapshots were let go
-#                  in stream order (bench/results/NOTES.md); ~300 s); "" skips
+#   TRAIN_RUNS     bench/train.py argument sets, one per line, run in order (default:
+#                  1.3B at 16k tokens, megatrain with its defaults beside resident compiled
+#                  and beside itself forced to recompute every region; ~330 s on a fresh
+#                  machine); "" skips
 #   TRAIN_TIMEOUT  s per train run (default 540)
 #   TEST_GROUPS    pytest target groups separated by ';', run in parallel (default: the
 #                  backend's equality tests, its memory tests, its offloaded-activations test
@@ -46,7 +44,7 @@ fi
 python -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 python -c "import torch, triton, megatrain; assert 'megatrain' in torch._dynamo.list_backends(), 'backend not registered: the install failed'; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), 'cpus', __import__('os').cpu_count())" || exit 1
 
-default_run="--model 3b --tokens 16384 --gpu-memory 20GiB --systems megatrain+updates=resident+kernels=linear_cross_entropy+backlog=host,resident-compiled --steps 7 --warmup 4 --memory-peak"
+default_run="--model 1.3b --tokens 16384 --systems resident-compiled,megatrain,megatrain+keep-activations=off --steps 8 --warmup 3"
 n=0
 while IFS= read -r run; do
   [ -z "$run" ] && continue

@@ -78,10 +78,8 @@ def keep_order(recompute: Problem, kept: Problem, rates: costs.Rates) -> list[in
 
 def _backward_seconds(r: RegionSpec, rates: costs.Rates) -> float:
     """The region's recompute + backward compute, as the simulator charges it."""
-    f, t = r.flops_fw, r.traffic_fw
-    b = 2 * f if r.flops_bw is None else r.flops_bw
-    tb = 2 * t if r.traffic_bw is None else r.traffic_bw
-    return costs.compute_seconds(f + b, rates, t + tb)
+    flops, traffic = r.backward_work()
+    return costs.compute_seconds(flops, rates, traffic)
 
 
 def choose_kept(recompute: Problem, kept: Problem, rates: costs.Rates,

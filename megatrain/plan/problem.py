@@ -78,6 +78,13 @@ class RegionSpec:
     traffic_fw: object = 0
     traffic_bw: object = None
 
+    def backward_work(self) -> tuple[object, object]:
+        """(FLOPs, traffic bytes) of its recompute + backward, as the cost model charges
+        them: the forward's again plus the backward's own (default twice the forward's)."""
+        b = 2 * self.flops_fw if self.flops_bw is None else self.flops_bw
+        tb = 2 * self.traffic_fw if self.traffic_bw is None else self.traffic_bw
+        return self.flops_fw + b, self.traffic_fw + tb
+
     def reads(self, phase: str) -> tuple[int, ...]:
         """Weights fetched for this region's forward ("fw") or recompute + backward ("bw")."""
         return self.weights if phase == "fw" or self.bw_weights is None else self.bw_weights

@@ -58,12 +58,9 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
                                    bool(sh.owned))}
     out = {}
     for r in sh.problem.regions:
-        f = r.flops_fw
-        b = 2 * f if r.flops_bw is None else r.flops_bw
-        t = r.traffic_fw
-        tb = 2 * t if r.traffic_bw is None else r.traffic_bw
-        out[("compute", r.id, "fw")] = costs.compute_seconds(f, rates, t)
-        out[("compute", r.id, "bw")] = costs.compute_seconds(f + b, rates, t + tb)
+        out[("compute", r.id, "fw")] = costs.compute_seconds(r.flops_fw, rates, r.traffic_fw)
+        flops_bw, traffic_bw = r.backward_work()
+        out[("compute", r.id, "bw")] = costs.compute_seconds(flops_bw, rates, traffic_bw)
         for ph in ("fw", "bw"):
             out[("h2d", r.id, ph)] = costs.copy_seconds(sh.link_bytes[ph][r.id], link[ph].h2d)
         out[("offload", r.id, "fw")] = costs.copy_seconds(r.out_bytes, link["fw"].d2h)

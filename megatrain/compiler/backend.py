@@ -275,7 +275,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
                               opts.prefetch, opts.offload,
-                              fused=opts.lowering == "inductor" and opts.device.type == "cuda",
+                              fused=opts.fused_lowering,
                               keep_weights=opts.keep_weights, region_names=streamer.region_names,
                               param_names=cap.fqns, problem=problem)
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,

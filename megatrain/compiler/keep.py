@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from ..errors import MegatrainValueError
-from ..optim.registry import sole_owner
 from ..plan.keep import KeepChoice, choose_kept, comparable
 from ..plan.search import InfeasibleBudget, plan_step
 from . import decide, rates, update_sites
@@ -72,10 +71,10 @@ def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
             streamer) -> tuple[Split, KeepChoice | None]:
     """The cost model's pick (module docstring): the pair to plan and the chooser's answer."""
     everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
-    fused = opts.lowering == "inductor" and opts.device.type == "cuda"
-    plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype, fused)
+    plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype,
+                                 opts.fused_lowering)
     everything.problem = step_problem(everything.fw, everything.bw, cap.params, opts.device,
-                                      opts.compute_dtype, fused)
+                                      opts.compute_dtype, opts.fused_lowering)
     (sp0, planned_rates), (sp1, _) = plain.problem, everything.problem
     p0, p1 = sp0.problem.substitute(sp0.dims), sp1.problem.substitute(sp1.dims)
     if sp0.units != sp1.units or not comparable(p0, p1):
@@ -95,8 +94,7 @@ def _scorer(cap, opts: Options, streamer, handoffs, planned_rates):
     schedule fits gpu_memory."""
     regions = update_sites.gradient_regions(handoffs)
     pids = {g.region: g.pids for g in regions}
-    owner = sole_owner([cap.params[p] for _, p in handoffs]) if handoffs else None
-    waits = owner is not None and owner.waits_for_norm()
+    waits = update_sites.optimizer_waits_for_norm([cap.params[p] for _, p in handoffs])
     options = planner_options(opts.prefetch, opts.offload, opts.keep_weights, training=True)
 
     def score(problem) -> float | None:

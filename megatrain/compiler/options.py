@@ -84,6 +84,12 @@ class Options:
     weight_shadow: bool = False
 
     @property
+    def fused_lowering(self) -> bool:
+        """Inductor lowers the graphs to fused GPU kernels, whose working sets the planner
+        counts (compiler/problem.py)."""
+        return self.lowering == "inductor" and self.device.type == "cuda"
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 

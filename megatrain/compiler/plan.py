@@ -131,12 +131,10 @@ class GraphPlan:
         """Whether the optimizer these regions hand their gradients to holds every update
         until step() (it clips, or checks for non-finite values): read now, since it is
         the optimizer's setting, not the graph's."""
-        from ..optim.registry import sole_owner
+        from .update_sites import optimizer_waits_for_norm
 
         params = self.streamer.params if self.streamer is not None else []
-        handed = [params[pid] for pids in self.update_params.values() for pid in pids]
-        opt = sole_owner(handed) if handed else None
-        return opt is not None and opt.waits_for_norm()
+        return optimizer_waits_for_norm([params[pid] for pids in self.update_params.values() for pid in pids])
 
     @property
     def measured_peak_bytes(self) -> int | None:

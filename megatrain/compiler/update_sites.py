@@ -52,6 +52,7 @@ import torch
 
 from ..optim import device_update as du
 from ..optim import resident
+from ..optim.registry import sole_owner
 from ..plan.costs import Rates
 from ..plan.problem import Problem, with_update_sites
 from ..plan.simulate import Schedule, simulate
@@ -145,6 +146,14 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
             chosen.append(g.region)
             left -= nbytes
     return chosen, (left if chosen else reserve)
+
+
+def optimizer_waits_for_norm(params: Sequence[torch.Tensor]) -> bool:
+    """Whether the one optimizer owning ``params`` (the parameters handed to it) holds
+    every update until step(): it clips, or checks for non-finite values
+    (Problem.updates_wait). False where none or several own them."""
+    opt = sole_owner(params) if params else None
+    return opt is not None and opt.waits_for_norm()
 
 
 def with_live_resident(sites: Mapping[int, str], live) -> dict[int, str]:

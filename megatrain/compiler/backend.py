@@ -286,9 +286,9 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                                  opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
-    def on_partition(split, candidates):
+    def on_partition(split, candidates_of):
         with phase("planning", times):
-            chosen, plain, plan.keep_choice = keep.choose(split, candidates, cap, opts, streamer)
+            chosen, plain, plan.keep_choice = keep.choose(split, candidates_of, cap, opts, streamer)
             try:
                 transfers(chosen.fw, chosen.bw, chosen.problem)
             except InfeasibleBudget as e:

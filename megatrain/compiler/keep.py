@@ -40,17 +40,20 @@ class Split:
     problem: tuple | None = None  # (StepProblem, Rates) once read off the pair: not read twice
 
 
-def choose(split, candidates: list[int], cap, opts: Options,
+def choose(split, candidates_of, cap, opts: Options,
            streamer) -> tuple[Split, Split, KeepChoice | None]:
     """(the pair to plan, the recompute pair to fall back to, the chooser's answer or None
-    where the set was forced). `split(kept)` partitions with `kept` (graph region ids).
+    where the set was forced). `split(kept)` partitions with `kept` (graph region ids);
+    `candidates_of()` lists the regions that may keep, asked only where it matters.
     Keeping is a speed-up, so a failure while deciding it (a graph whose kept partition
     torch cannot make) warns and recomputes rather than stopping the compile; a forced
     set raises."""
     plain = Split(*split(frozenset()))
     forced = opts.keep_activations
-    if plain.bw is None or not candidates or forced is False \
-            or (forced is None and not rates.calibrated(opts.device)):
+    if plain.bw is None or forced is False or (forced is None and not rates.calibrated(opts.device)):
+        return plain, plain, None
+    candidates = candidates_of()
+    if not candidates:
         return plain, plain, None
     if isinstance(forced, frozenset):
         regions = _named(forced, cap.regions.regions) & frozenset(candidates)

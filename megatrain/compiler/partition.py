@@ -204,8 +204,9 @@ def make_partition_fn(on_partition=None, joint_passes=None):
     `joint_passes(joint, joint_inputs) -> joint` rewrites the joint graph first (lower.joint_passes);
     `on_partition(split, candidates) -> (fw, bw)` decides which regions to keep and
     schedules the two graphs: `split(kept)` partitions the joint graph with that kept set
-    and returns (fw, bw, SavedActivations); `candidates` are the regions keeping can help
-    (kept_candidates). Without `on_partition` nothing is kept.
+    and returns (fw, bw, SavedActivations); `candidates()` lists the regions keeping can
+    help (kept_candidates), a walk of the joint graph made only where a decision is due.
+    Without `on_partition` nothing is kept.
     """
 
     def partition(joint_module: fx.GraphModule, joint_inputs, *, num_fwd_outputs: int, **kwargs):
@@ -225,6 +226,6 @@ def make_partition_fn(on_partition=None, joint_passes=None):
 
         if on_partition is None:
             return split()[:2]
-        return on_partition(split, kept_candidates(joint_module.graph))
+        return on_partition(split, lambda: kept_candidates(joint_module.graph))
 
     return partition

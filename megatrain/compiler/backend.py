@@ -301,13 +301,12 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                 chosen = plain  # the mix was an estimate: the real kept graphs did not fit
                 transfers(chosen.fw, chosen.bw, chosen.problem)
             fw, bw, saved = chosen.fw, chosen.bw, chosen.saved
-            plan.kept_regions = chosen.kept
             plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
             handoffs = gradient_handoffs(bw) if bw is not None else []
             if handoffs:
                 _share_cores(cap.params, opts)
             configure(decide.step_plan(plan, cap, opts, streamer, handoffs,
-                                       training=bw is not None))
+                                       training=bw is not None, kept=chosen.kept))
             _warn_if_slow(plan, opts, streamer.region_names)
         return fw, bw
 

@@ -19,10 +19,11 @@ from .options import Options
 
 
 def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, int]],
-              training: bool) -> StepPlan:
+              training: bool, kept: frozenset[int] = frozenset()) -> StepPlan:
     """The StepPlan of `plan` (a GraphPlan whose schedule is set) for the capture `cap`;
     `handoffs`: the backward's (region, param id) gradient hand-offs to megatrain.AdamW
-    (none for another optimizer); `training`: the pair has a backward. `streamer` is asked for its own sizes only (cast staging, the
+    (none for another optimizer); `training`: the pair has a backward; `kept`: the regions
+    that keep their activations (compiler/keep.py). `streamer` is asked for its own sizes only (cast staging, the
     snapshot window), never changed. Raises where host_memory cannot hold the step."""
     sched = plan.schedule
     chosen = sched.plan
@@ -48,7 +49,7 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
             id=r.id, name=r.name, params=tuple(g.pids) if g else (), update=sites.get(r.id, "host"),
             resident_candidate=bool(g) and opts.updates == "resident" and not g.shared,
             boundary="offloaded" if r.id in offloaded else "kept",
-            recompute=r.id not in plan.kept_regions))
+            recompute=r.id not in kept))
     return StepPlan(
         regions=tuple(decisions), prefetch=chosen.config.slots - 1,
         weights_from="shadows" if opts.weight_shadow else "masters", keep_weights=opts.keep_weights,

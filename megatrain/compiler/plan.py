@@ -35,9 +35,7 @@ class GraphPlan:
     # Wall seconds of each compile phase of this graph (phases.py); the backward's lowering
     # lands here when AOTAutograd compiles it, at the first backward.
     compile_seconds: dict[str, float] = field(default_factory=dict)
-    # Regions whose backward reads their saved matmul and attention outputs instead of
-    # recomputing (compiler/keep.py), and the chooser's scores (plan.keep.KeepChoice).
-    kept_regions: frozenset = frozenset()
+    # The keep chooser's scores (plan.keep.KeepChoice; None where nothing was decided).
     keep_choice: object = None
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
@@ -54,6 +52,14 @@ class GraphPlan:
         """Where each region's megatrain.AdamW update runs ("host" | "device" | "resident";
         update_sites.py), for the regions that hand their gradients to one."""
         return self.step_plan.sites if self.step_plan is not None else {}
+
+    @property
+    def kept_regions(self) -> frozenset[int]:
+        """Regions whose backward reads their saved matmul and attention outputs instead of
+        recomputing their forward (compiler/keep.py)."""
+        if self.step_plan is None:
+            return frozenset()
+        return frozenset(r.id for r in self.step_plan.regions if not r.recompute)
 
     @property
     def update_reserve(self) -> int:

@@ -28,7 +28,7 @@ from fit_check import _oom_line, _out_of_memory, _refuse_if_unfit
 from host_memory import _memory_now, _PinnedWatch, _rss_phases, _status
 from megatrain_stats import _megatrain_stats
 from presets import _tokens
-from step_diagnostics import _memory_at_peak, _profile_step
+from step_diagnostics import _memory_at_peak, _profile_step, compile_split
 from systems import _load_cuda_libraries
 
 SYSTEMS = ("resident-compiled", "megatrain")
@@ -243,6 +243,8 @@ def run_system(args, n_params: int) -> dict:
         # wall time from the start of the model's build to the end of step 1 (compiling
         # included), the build's share of it and step 1's own
         "first_step_s": first_step_s, "build_s": build_s, "compile_step_s": times[0],
+        # torch's compile timers over the whole process (dynamo, AOT, Inductor's stages)
+        "compile_split_s": compile_split(),
         "attn_implementation": attn, "attn_sdpa_refused": attn_refused,
         "experts_implementation": getattr(cfg, "_experts_implementation", None)
         if getattr(cfg, "num_experts", None) else None,

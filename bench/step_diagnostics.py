@@ -80,3 +80,16 @@ def _profile_step(args, step) -> None:
         + events.table(sort_by=sort, row_limit=40, max_name_column_width=70)
         + "\nby host self time\n"
         + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+
+
+def compile_split(top: int = 20) -> dict[str, float]:
+    """Where this process's compiling went, by torch's own timers (`dynamo_timed`: dynamo's
+    tracing, AOT autograd, Inductor's lowering, scheduling, code generation and its wait for
+    the kernel compiles), summed over every graph, the `top` largest in seconds. Timers
+    nest (a lowering holds its code generation), so the values overlap and do not add up;
+    they say which stage of a long first step to look at."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = {n: float(v) for n, v in zip(names, values) if v}
+    return {n: round(s, 2) for n, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:top]}

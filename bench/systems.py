@@ -25,7 +25,7 @@ from host_memory import (
 )
 from megatrain_stats import _megatrain_stats, _streamers
 from presets import _config, _model, _param_count, _tokens
-from step_diagnostics import _memory_at_peak, _profile_step
+from step_diagnostics import _memory_at_peak, _profile_step, compile_split
 
 
 def _zero3_offload(model, batch: int, cuda: bool):
@@ -289,6 +289,8 @@ def run_system(args) -> dict:
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
+        # torch's compile timers over the whole process (dynamo, AOT, Inductor's stages)
+        "compile_split_s": compile_split(),
         # peak RSS over the process's RSS before the model existed (CUDA context included)
         "host_bytes_per_param": (_status("VmHWM") - rss_base) / n_params,
         "host_rss_base_gib": rss_base / 2**30,

@@ -162,6 +162,9 @@ def main(argv=None) -> int:
                    help="megatrain: force megatrain.config.keep_activations (on: every region saves "
                         "its matmul outputs for its backward, off: every region recomputes; default "
                         "the planner's choice); variant megatrain+keep-activations=off")
+    p.add_argument("--copy-priority", default=None, choices=("high", "normal"),
+                   help="megatrain: force megatrain.config.copy_stream_high_priority (the weight "
+                        "path's copy stream; default high); variant megatrain+copy-priority=normal")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")

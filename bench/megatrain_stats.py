@@ -43,6 +43,9 @@ def _megatrain_stats(step_fn) -> dict:
             # beside the measured stalls below
             "predicted_waits": [{"s": round(w.seconds, 5), "reason": w.reason, "region": w.region}
                                 for w in plan.waits[:8]],
+            # FLOPs the backward spends recomputing forwards, per step (issue 35: counted
+            # apart from the model's)
+            "recompute_flops_per_step": sum(recompute_flops(g) for g in plan.graphs if g.schedule is not None),
             "predicted_compute_s": per_step("compute"), "predicted_h2d_s": per_step("h2d"),
             "predicted_d2h_s": per_step("d2h"), "predicted_host_s": per_step("host"),
             "measured_compute_s": measured("computes"), "measured_d2h_s": measured("grad_copies"),
@@ -90,3 +93,12 @@ def _merge_phases(per_streamer) -> dict:
             for k, v in row.items():
                 into[k] += v
     return out
+
+
+def recompute_flops(graph) -> float:
+    """FLOPs one graph pair's step spends recomputing forwards: the forward FLOPs of every
+    planner region whose backward recomputes it, i.e. all but those whose graph regions all
+    keep their activations (explain's kept_regions)."""
+    kept, units = graph.kept_regions, graph.schedule.units
+    return sum(float(r.flops_fw) for r in graph.predicted_schedule.problem.regions
+               if not set(units.get(r.id, (r.id,))) <= kept)

@@ -74,6 +74,18 @@ def _zero3_offload(model, batch: int, cuda: bool):
     return engine, EngineStep(), engine.backward
 
 
+def layer_forward_flops_per_token(model, seq: int) -> float:
+    """A per-layer checkpointed backward's recompute: every decoder layer's forward again,
+    2 FLOPs per matmul parameter of the layers and attention's 4 L h seq (the forward's
+    third of model_flops_per_token's 12 L h seq)."""
+    import torch
+
+    layers = model.layers
+    matmul = sum(m.weight.numel() for layer in layers for m in layer.modules()
+                 if isinstance(m, torch.nn.Linear))
+    return 2.0 * matmul + 4.0 * len(layers) * model.config.hidden * seq
+
+
 def _checkpoint_layers(model) -> None:
     import torch.utils.checkpoint as ckpt
 
@@ -133,7 +145,8 @@ def run_system(args) -> dict:
     backward = torch.Tensor.backward  # DeepSpeed's engine runs its own (zero3-offload)
     if args.system in ("resident-compiled", "resident", "eager"):
         model = model.to(device)
-        _checkpoint_layers(model)
+        if args.checkpoint == "layers":
+            _checkpoint_layers(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
         step_fn = torch.compile(model) if args.system == "resident-compiled" else model
         to_device = True
@@ -289,6 +302,7 @@ def run_system(args) -> dict:
         "system": args.system, "model": args.model, "layers": model.config.layers, "params": n_params,
         "tokens_per_step": args.tokens, "seq": args.seq, "step_s": step,
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
+        "checkpoint": args.checkpoint if args.system in ("resident-compiled", "resident", "eager") else None,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # torch's compile timers over the whole process (dynamo, AOT, Inductor's stages)
@@ -325,6 +339,9 @@ def run_system(args) -> dict:
         row["threads_sweep"] = sweep
     if slabs_sweep:
         row["slabs_sweep"] = slabs_sweep
+    if args.system in ("resident-compiled", "resident", "eager"):
+        row["recompute_flops_per_step"] = (layer_forward_flops_per_token(model, args.seq) * args.tokens
+                                           if args.checkpoint == "layers" else 0.0)
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
         row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9

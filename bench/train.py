@@ -162,6 +162,11 @@ def main(argv=None) -> int:
                    help="megatrain: force megatrain.config.keep_activations (on: every region saves "
                         "its matmul outputs for its backward, off: every region recomputes; default "
                         "the planner's choice); variant megatrain+keep-activations=off")
+    p.add_argument("--checkpoint", default="layers", choices=("layers", "none"),
+                   help="resident systems: recompute every decoder layer's forward in the backward "
+                        "(per-layer activation checkpointing, the anchors' setting) or keep every "
+                        "activation (the upper bound where it fits); variant "
+                        "resident-compiled+checkpoint=none")
     p.add_argument("--copy-priority", default=None, choices=("high", "normal"),
                    help="megatrain: force megatrain.config.copy_stream_high_priority (the weight "
                         "path's copy stream; default high); variant megatrain+copy-priority=normal")
@@ -229,6 +234,10 @@ def main(argv=None) -> int:
             row.setdefault("gpu_memory", args.gpu_memory)  # a failed child's row too
             if probe and "error" not in probe and "error" not in row:
                 row["mfu"] = row["tflops"] / probe["matmul_tflops"]
+                if row.get("recompute_flops_per_step") is not None:
+                    # the compute bound's share with the recompute counted (issue 35)
+                    row["recompute_tflops"] = row["recompute_flops_per_step"] / row["step_s"] / 1e12
+                    row["hfu"] = (row["tflops"] + row["recompute_tflops"]) / probe["matmul_tflops"]
                 row["probe"] = probe
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("steps", "probe", "memory_at_peak")}),

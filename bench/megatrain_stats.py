@@ -34,7 +34,7 @@ def _megatrain_stats(step_fn) -> dict:
             # dynamo's tracing is the first step's time less these and the step itself
             "compile_phases_s": {k: round(v, 3) for k, v in plan.compile_seconds.items()},
             # regions whose forward weights the plans keep for the backward (keep_weights)
-            "kept_regions": sum(len(s.config.kept) for s in schedules),
+            "kept_regions": sum(len(s.config.kept_weights) for s in schedules),
             # regions whose backward reads their saved matmul outputs instead of recomputing
             # (compiler/keep.py), and the bytes every saved activation takes
             "activations_kept": sum(len(g.kept_regions) for g in plan.graphs),

@@ -36,7 +36,7 @@ class PlanConfig:
     release_lag: computes between a copy-out's issue and the op that waits for it and
         frees the device buffer (gradients, offloaded activations).
     offloaded: regions whose boundary output goes to pinned host between the passes.
-    kept: regions whose forward weights stay on the device for their backward (no second
+    kept_weights: regions whose forward weights stay on the device for their backward (no second
         fetch; `_Shape.keepable`): the buffer lives from the forward's prefetch to the
         backward's free, outside the slot rotation.
     """
@@ -46,7 +46,7 @@ class PlanConfig:
     reload_lead: int
     release_lag: int
     offloaded: frozenset = frozenset()
-    kept: frozenset = frozenset()
+    kept_weights: frozenset = frozenset()
 
     def __post_init__(self):
         if not isinstance(self.slots, int) or self.slots < 1:
@@ -62,7 +62,7 @@ class PlanConfig:
         lead = "asap" if self.weight_lead is None else f"<= {self.weight_lead} ahead"
         return (f"{self.slots} slot(s), prefetch {lead}, reload {self.reload_lead} ahead, "
                 f"release lag {self.release_lag}, {len(self.offloaded)} activation(s) offloaded"
-                + (f", {len(self.kept)} region(s)' weights kept for the backward" if self.kept else ""))
+                + (f", {len(self.kept_weights)} region(s)' weights kept for the backward" if self.kept_weights else ""))
 
 
 class Task(NamedTuple):
@@ -110,7 +110,7 @@ def _program(sh: _Shape, cfg: PlanConfig, steps: int, memory_only: bool = False)
         for m in range(micro):
             _instance(sh, cfg, m, s, prog, memory_only)
     if not memory_only:
-        _side_streams(sh, prog, micro, steps, cfg.kept)
+        _side_streams(sh, prog, micro, steps, cfg.kept_weights)
     return prog
 
 
@@ -127,7 +127,7 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
         issues: list[list] = [[] for _ in range(n + 1)]
         wr = [r for r in order if sh.reads[ph][r]]
         k = cfg.slots
-        kept = cfg.kept
+        kept = cfg.kept_weights
         # The slot rotation: regions whose weights are fetched and freed in this pass. A kept
         # region's forward buffer is its own (issued where its place in the rotation would
         # issue it), and its backward has no fetch, only the free after its compute.

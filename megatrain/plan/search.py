@@ -170,7 +170,7 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
     chosen, simulated = best[1], len(fits)
     if options.keep and sh.keepable:
         cfg = _with_kept(sh, chosen.config, budget)
-        if cfg.kept:
+        if cfg.kept_weights:
             sched = _simulate(concrete, cfg, rates, options.steps)
             simulated += 1
             fits.append(cfg)
@@ -187,7 +187,7 @@ def _with_kept(sh: _Shape, cfg: PlanConfig, budget: int) -> PlanConfig:
     backward. Peaks grow with the count, so a binary search (which only ever settles on a
     count it saw fit)."""
     def fits(n: int) -> bool:
-        trial = replace(cfg, kept=frozenset(sh.keepable[:n]))
+        trial = replace(cfg, kept_weights=frozenset(sh.keepable[:n]))
         return program_peak(_program(sh, trial, 1, memory_only=True), sh.problem.base_bytes)[0] <= budget
 
     lo, hi = 0, len(sh.keepable)
@@ -197,4 +197,4 @@ def _with_kept(sh: _Shape, cfg: PlanConfig, budget: int) -> PlanConfig:
             lo = mid
         else:
             hi = mid - 1
-    return replace(cfg, kept=frozenset(sh.keepable[:lo]))
+    return replace(cfg, kept_weights=frozenset(sh.keepable[:lo]))

@@ -69,7 +69,7 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
         out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].d2h_bytes for w in ws), link["bw"].d2h)
         numel = sum(sh.weight[w].numel for w in ws)
         # a kept region (its weights are its own) is fetched once: no backward fetch
-        copy = sh.copy_bytes[o] - (sh.link_bytes["bw"][o] if o in cfg.kept else 0)
+        copy = sh.copy_bytes[o] - (sh.link_bytes["bw"][o] if o in cfg.kept_weights else 0)
         if sh.problem.updates_wait:
             grad_bytes = round(sum(sh.weight[w].d2h_bytes for w in ws) / max(numel, 1))
             out[("host_hold", o, "host")] = costs.host_hold_seconds(numel, grad_bytes, rates)
@@ -200,7 +200,7 @@ def _simulate(problem: Problem, config: PlanConfig, rates: Rates, steps: int) ->
     stray = sorted(set(config.offloaded) - set(sh.offloadable))
     if stray:
         raise ValueError(f"regions {stray} cannot be offloaded: no other region reads their output")
-    stray = sorted(set(config.kept) - set(sh.keepable))
+    stray = sorted(set(config.kept_weights) - set(sh.keepable))
     if stray:
         raise ValueError(f"regions {stray} cannot keep their weights for the backward: it reads "
                          "other weights, another region reads theirs, or there is no backward")

@@ -159,7 +159,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         r, ph, m, st = c.region, c.phase, c.micro, c.step
         spec = f.spec[r]
         # weights
-        if f.fetched[ph][r] and r in s.config.kept:
+        if f.fetched[ph][r] and r in s.config.kept_weights:
             out += _kept_weights(f, s, c, get, pos, start, end, buffers)
         elif f.fetched[ph][r]:
             wkey = ("weights", r, ph, m, st)
@@ -231,7 +231,7 @@ def violations(s: Schedule, budget: int | None = None) -> list[str]:
         for (a0, a1, ta), (b0, b1, tb) in itertools.pairwise(iv):
             if b0 <= a1:
                 out.append(f"slot {slot} holds region {ta.region} and region {tb.region} at once")
-    prefetches = [t for t in seq if t.kind == "prefetch" and t.region not in s.config.kept]
+    prefetches = [t for t in seq if t.kind == "prefetch" and t.region not in s.config.kept_weights]
     if set(prefetches) != set(s.slot_of):
         out.append("every prefetch needs exactly one slot (a kept region's forward fetch none)")
 

@@ -1,6 +1,6 @@
 """Option keep_weights: the forward's weight buffers of the regions whose backward comes
 first stay on the device for that backward instead of being fetched again (planner:
-PlanConfig.kept; runtime: Streamer.keep and wait). On the CPU device the results must equal
+PlanConfig.kept_weights; runtime: Streamer.keep and wait). On the CPU device the results must equal
 fetching twice bitwise, since the masters do not change between a forward and its backward;
 the memory side is held to the plan by test_memory_contract.py."""
 
@@ -37,9 +37,9 @@ def test_kept_weights_train_bitwise_like_fetching_twice(tied, lowering):
     twice = train_megatrain(model, batches, options(False, lowering))
     assert torch.equal(kept["params"], twice["params"]) and kept["losses"] == twice["losses"]
     graph = kept["plan"]
-    layers = set(graph.schedule.plan.config.kept)
+    layers = set(graph.schedule.plan.config.kept_weights)
     assert len(layers) >= 3, graph.schedule.plan.config  # every layer: the budget is roomy
-    assert not twice["plan"].schedule.plan.config.kept
+    assert not twice["plan"].schedule.plan.config.kept_weights
     bw_fetched = {int(e[len("prefetch("):-1]) for e in graph.backward_events if e.startswith("prefetch(")}
     assert not bw_fetched & layers
     assert sum(e.startswith("keep(") for e in graph.forward_events) == len(layers)
@@ -106,4 +106,4 @@ def test_kept_weights_with_a_graph_run_for_every_layer():
         twice = train_megatrain(model, batches, options(False))
     assert torch.equal(kept["params"], twice["params"]) and kept["losses"] == twice["losses"]
     graphs = megatrain.explain(kept["step"]).graphs
-    assert any(g.schedule.plan.config.kept for g in graphs if g.schedule is not None)
+    assert any(g.schedule.plan.config.kept_weights for g in graphs if g.schedule is not None)

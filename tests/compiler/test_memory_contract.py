@@ -73,7 +73,7 @@ def test_kept_weights_stay_within_the_predicted_peak(lowering):
     step, opt = _compiled({"gpu_memory": budget, "offload": False, "keep_weights": True}, lowering)
     peaks = _train(step, opt, batches)
     plan = megatrain.explain(step).graphs[0].schedule.plan
-    assert 0 < len(plan.config.kept) < CONFIG.layers, plan.config
+    assert 0 < len(plan.config.kept_weights) < CONFIG.layers, plan.config
     assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)
 
 

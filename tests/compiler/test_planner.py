@@ -200,7 +200,7 @@ def test_every_configuration_simulates_to_a_valid_schedule(problem, rates, data)
                      release_lag=data.draw(st.integers(0, 3)),
                      offloaded=frozenset(data.draw(st.lists(st.sampled_from(offloadable), unique=True)))
                      if offloadable else frozenset(),
-                     kept=frozenset(data.draw(st.lists(st.sampled_from(keepable), unique=True)))
+                     kept_weights=frozenset(data.draw(st.lists(st.sampled_from(keepable), unique=True)))
                      if keepable else frozenset())
     problem = dataclasses.replace(problem, updates_wait=data.draw(st.booleans()))
     sched = simulate(problem, cfg, rates, steps=data.draw(st.integers(1, 3)))
@@ -507,14 +507,14 @@ def test_kept_weights_skip_the_backward_fetch_and_count_until_the_backward():
     plain = plan_step(problem, 1 << 40, GPU_DEFAULT, options=PlannerOptions())
     kept = plan_step(problem, 1 << 40, GPU_DEFAULT, options=PlannerOptions(keep=True))
     validate(kept.schedule, 1 << 40)
-    assert kept.config.kept == {1, 2, 3, 4}
+    assert kept.config.kept_weights == {1, 2, 3, 4}
     bw_fetches = {t.region for t in kept.schedule.streams["h2d"] if t.phase == "bw"}
     assert bw_fetches == {5}
     assert kept.step_time <= plain.step_time
     assert kept.peak_bytes > plain.peak_bytes
     # A budget between the two: fewer regions kept, the soonest needed (region 4) first.
     mid = plan_step(problem, (plain.peak_bytes + kept.peak_bytes) // 2, GPU_DEFAULT, options=PlannerOptions(keep=True))
-    assert 0 < len(mid.config.kept) < 4 and 4 in mid.config.kept
+    assert 0 < len(mid.config.kept_weights) < 4 and 4 in mid.config.kept_weights
     assert mid.peak_bytes <= (plain.peak_bytes + kept.peak_bytes) // 2
     with pytest.raises(ValueError, match="cannot keep"):
-        simulate(problem, PlanConfig(2, None, 0, 1, kept=frozenset({5})), GPU_DEFAULT)
+        simulate(problem, PlanConfig(2, None, 0, 1, kept_weights=frozenset({5})), GPU_DEFAULT)

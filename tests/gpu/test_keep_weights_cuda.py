@@ -20,6 +20,6 @@ def test_kept_weights_match_fetching_twice_on_cuda():
     model, batches = seeded_llama_and_batches()
     kept, kept_losses, plan = train_fp32_on_cuda(model, batches, keep_weights=True, updates="host")
     twice, twice_losses, _ = train_fp32_on_cuda(model, batches, keep_weights=False, updates="host")
-    assert len(plan.schedule.plan.config.kept) >= 4, plan.schedule.plan.config
+    assert len(plan.schedule.plan.config.kept_weights) >= 4, plan.schedule.plan.config
     assert plan.measured_peak_bytes <= plan.budget
     assert_runs_agree(model, kept, twice, kept_losses, twice_losses)

@@ -197,8 +197,6 @@ def run_system(args) -> dict:
             forced["weight_shadow"] = True
         if args.kernels:
             forced["kernels"] = True if args.kernels == "all" else args.kernels.split(",")
-        if args.copy_priority:
-            forced["copy_stream_high_priority"] = args.copy_priority == "high"
         for name, value in forced.items():
             setattr(megatrain.config, name, value)
         step_fn, to_device = torch.compile(model, backend="megatrain", options=options), False

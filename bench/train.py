@@ -167,9 +167,6 @@ def main(argv=None) -> int:
                         "(per-layer activation checkpointing, the anchors' setting) or keep every "
                         "activation (the upper bound where it fits); variant "
                         "resident-compiled+checkpoint=none")
-    p.add_argument("--copy-priority", default=None, choices=("high", "normal"),
-                   help="megatrain: force megatrain.config.copy_stream_high_priority (the weight "
-                        "path's copy stream; default high); variant megatrain+copy-priority=normal")
     p.add_argument("--no-offload", action="store_true",
                    help="megatrain: compile option offload=False (every boundary activation stays "
                         "on the device; the default lets the planner park them in host memory)")

@@ -28,14 +28,6 @@ check_fetched_weights: bool = False
 # the machine that runs them.
 probe_rates: bool = True
 
-# The weight path's copy stream at a higher CUDA priority than the compute stream's. Its
-# fetches cast each fp32 chunk on the device right after copying it in, and the next
-# chunk's copy waits for that cast in stream order; at normal priority a cast launched
-# while the compute stream's matmuls fill the device runs only after their queued blocks,
-# leaving the link idle. At high priority the cast's blocks are scheduled first
-# (bench/bench_weight_copies.py measures both). Read when a graph is compiled.
-copy_stream_high_priority: bool = True
-
 # Warn when a graph's predicted step is at least this many times its GPU compute (about
 # what a GPU-resident run takes), naming the regions the GPU waits for and why
 # (plan/waits.py). None: never.

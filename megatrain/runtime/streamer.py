@@ -119,8 +119,7 @@ class Streamer:
         self.pool = DevicePool(budget)
         self.cuda = device.type == "cuda"
         if self.cuda:
-            # priority -1: above the compute stream's 0 (config.copy_stream_high_priority says why)
-            self.h2d_stream = torch.cuda.Stream(device, priority=-1 if config.copy_stream_high_priority else 0)
+            self.h2d_stream = torch.cuda.Stream(device)
             self.d2h_stream = torch.cuda.Stream(device)
         streams = (self.h2d_stream, self.d2h_stream) if self.cuda else (None, None)
         self._ctx = StreamContext(device, self.pool, StepStats(), *streams)

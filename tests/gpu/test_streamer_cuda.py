@@ -49,18 +49,6 @@ def test_fetched_weights_equal_a_bf16_cast(monkeypatch, chunk, budget):
     assert s.stats.transfer_stall_s() >= 0.0
 
 
-@pytest.mark.parametrize("high", [True, False])
-def test_copy_stream_priority_follows_the_config(high):
-    """The weight path's copy stream runs at a higher priority than the compute stream's
-    unless the config says otherwise; fetched weights are the same either way (the test
-    above)."""
-    params = _region([(64, 64)])
-    with megatrain.config.patch(copy_stream_high_priority=high):
-        s = streamer_mod.Streamer(torch.device("cuda"), torch.bfloat16, 1 << 30, params)
-    assert (s.h2d_stream.priority < torch.cuda.current_stream().priority) == high
-    assert s.d2h_stream.priority == 0
-
-
 def test_homed_masters_are_page_locked_without_power_of_two_rounding():
     # 3 MB + a bit: the pinned allocator would round this up to 4 MB.
     params = [torch.nn.Parameter(torch.randn(786_433)), torch.nn.Parameter(torch.randn(7))]

@@ -2,8 +2,7 @@
 
 Measured: pinned H2D, D2H, both at once (separate streams), matmul FLOP/s in the compute
 dtype (a Linear's forward and backward products: the layouts training runs), device memory
-bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s) at
-the threads the host optimizer gets beside a streamed step (optim.engine.streaming_threads).
+bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from ..optim.engine import streaming_threads
 from ..plan.costs import Rates
 from ..memory.host_store import host_buffer
 
@@ -161,25 +159,17 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * n * dtype.itemsize / t
 
 
-def _adamw_rate(numel: int, repeats: int, threads: int) -> tuple[float, str]:
-    """Parameters/s of torch's fused CPU AdamW at `threads` intra-op threads: the count the
-    host optimizer runs with beside a streamed step (optim.engine.streaming_threads), not
-    the process's, since an update is bound by the bandwidth its threads draw."""
+def _adamw_rate(numel: int, repeats: int) -> tuple[float, str]:
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-            opt.step()
-            impl = "fused"
-        except (RuntimeError, TypeError):  # a torch without fused CPU AdamW: say so in the cache
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-            impl = "foreach"
-        t = _best(lambda: _timed(torch.device("cpu"), opt.step), repeats)
-    finally:
-        torch.set_num_threads(before)
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        opt.step()
+        impl = "fused"
+    except (RuntimeError, TypeError):  # a torch without fused CPU AdamW: say so in the cache
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        impl = "foreach"
+    t = _best(lambda: _timed(torch.device("cpu"), opt.step), repeats)
     return numel / t, impl
 
 
@@ -192,13 +182,11 @@ def probe(device: torch.device | str = "cuda", sizes: ProbeSizes | None = None) 
     h2d, d2h, duplex = _copy_rates(device, sizes.copy_bytes, sizes.repeats)
     flops = _matmul_rate(device, sizes.matmul_n, sizes.repeats)
     memory = _memory_rate(device, sizes.copy_bytes, sizes.repeats)
-    adamw_threads = streaming_threads(device.type)
-    adamw, impl = _adamw_rate(sizes.adamw_params, sizes.repeats, adamw_threads)
+    adamw, impl = _adamw_rate(sizes.adamw_params, sizes.repeats)
     rates = Rates(device_name(device), h2d=h2d, d2h=d2h, duplex=duplex, flops=flops, adamw=adamw,
                   memory=memory)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "adamw_impl": impl,
-            "adamw_threads": adamw_threads, "sizes": sizes.__dict__,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "sizes": sizes.__dict__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return rates, meta
 
 
@@ -212,10 +200,7 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
         try:
             data = json.loads(path.read_text())
             rates = Rates.from_json(data["rates"])
-            # the update rate belongs to a thread count: a cache taken at another one
-            # (another process default, or from before the count was recorded) is re-measured
-            threads = data["meta"].get("adamw_threads")
-            if rates.device == name and threads == streaming_threads(torch.device(device).type):
+            if rates.device == name:
                 return rates
         except (OSError, ValueError, KeyError, TypeError):
             pass

@@ -157,7 +157,8 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         self._accumulating = 0
         self._where: dict[Tensor, tuple[int, int]] = {}  # param -> (group, index)
         self._final: dict[Tensor, bool] = {}  # final grad submitted this step -> applied?
-        self._norms: dict[Tensor, tuple[Tensor, int, Tensor]] = {}  # grad, version, norm
+        self._norms: dict[Tensor, tuple[Tensor, int, Tensor | Future]] = {}  # grad, version, norm
+        self._norm_threads = None  # optim/norms.py, made at the first held gradient's norm
         self._grad_buffers: dict[Tensor, Tensor] = {}
         self._narrow = NarrowGrads()  # final low-precision gradients held for step()
         self._regions: list[list[Tensor]] = []  # deferred final submits, in arrival order
@@ -464,6 +465,7 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
         self._wait_everything()
         self._worker.shutdown()
         self._worker = HostWorker(threads)
+        self._norm_threads = None  # made again beside the new worker
         self._threads_arg = self.threads = threads
 
     @property

@@ -5,7 +5,9 @@ Thread choices, and why:
 - One worker thread, not a pool. Every task here (AdamW update, gradient accumulation,
   norms) is memory-bound, so a second concurrent task would only compete for the same DRAM
   bandwidth. One FIFO thread also orders all work on a parameter (accumulate, then update)
-  without locks, and never opens two OpenMP teams that oversubscribe the cores.
+  without locks, and never opens two OpenMP teams that oversubscribe the cores. The one
+  exception is the reduction of a held gradient's norm, which torch runs on a single core:
+  it goes to a few norm threads beside the worker (optim/norms.py).
 - Parallelism comes from inside each ATen kernel: the worker runs with ``threads``
   intra-op (OpenMP) threads, by default the caller's ``torch.get_num_threads()``, i.e. the
   same count torch's own fused AdamW would use.

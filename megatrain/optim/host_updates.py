@@ -26,6 +26,7 @@ on every call. :class:`HostUpdates` holds no state of its own.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from megatrain.memory.host_store import host_zeros_like
 from megatrain.optim import checks, functional
 from megatrain.optim.engine import HostWorker
 from megatrain.optim.narrow_grads import NarrowGrads, narrower
+from megatrain.optim.norms import NormThreads, norm_threads_for, resolved
 from megatrain.optim.shadows import Shadows
 
 # One group's tensors, as the fused kernel takes them: (params, grads).
@@ -52,7 +54,8 @@ class HostUpdates:
     _worker: HostWorker
     _where: dict[Tensor, tuple[int, int]]  # param -> (group, index)
     _final: dict[Tensor, bool]  # final grad submitted this step -> applied?
-    _norms: dict[Tensor, tuple[Tensor, int, Tensor]]  # grad, version, norm
+    _norms: dict[Tensor, tuple[Tensor, int, Tensor | Future]]  # grad, version, norm
+    _norm_threads: NormThreads | None  # made at the first held gradient's norm
     _grad_buffers: dict[Tensor, Tensor]
     _regions: list[list[Tensor]]  # streamed final submits waiting for step(), in order
     _piece_fresh: dict[Tensor, bool]  # param -> p.grad started empty (worker)
@@ -154,7 +157,7 @@ class HostUpdates:
         for k, (p, g) in enumerate(zip(params, grads)):
             cached = self._norms.get(p)
             if cached is not None and cached[0] is g and cached[1] == g._version:
-                norms.append(cached[2])
+                norms.append(resolved(cached[2]))
             else:
                 norms.append(None)
                 missing.append(k)
@@ -285,7 +288,8 @@ class HostUpdates:
                     narrow.filling.pop(p, None)
                     if final:
                         grad = p.grad if buf is None else buf
-                        self._norms[p] = (grad, grad._version, functional.grad_norm(grad))
+                        norm = functional.grad_norm(grad) if buf is None else self._held_norm(buf)
+                        self._norms[p] = (grad, grad._version, norm)
 
     def _accumulate_region(self, params: list[Tensor], grads: list[Tensor], final: bool) -> None:
         """Worker: sum into p.grad like autograd (copy when empty, else add: the same bits
@@ -294,7 +298,7 @@ class HostUpdates:
         for p, g in zip(params, grads):
             if final and self._holds_narrow(p, g):
                 held = self._narrow.hold(p, g)
-                self._norms[p] = (held, held._version, functional.grad_norm(held))
+                self._norms[p] = (held, held._version, self._held_norm(held))
                 continue
             if p.grad is None:
                 p.grad = self._grad_buffer(p).copy_(g)
@@ -302,6 +306,13 @@ class HostUpdates:
                 p.grad.add_(g)
             if final:
                 self._norms[p] = (p.grad, p.grad._version, functional.grad_norm(p.grad))
+
+    def _held_norm(self, held: Tensor) -> Tensor | Future:
+        """Worker: the norm of a held 16-bit gradient, reduced on a norm thread beside
+        this one (optim/norms.py); ``_grad_norms`` resolves it."""
+        if self._norm_threads is None:
+            self._norm_threads = NormThreads(norm_threads_for(self._worker.threads))
+        return self._norm_threads.norm(held)
 
     def _holds_narrow(self, p: Tensor, g: Tensor) -> bool:
         """Worker, for a final gradient: whether it waits for step() in its own, lower

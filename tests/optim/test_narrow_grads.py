@@ -371,3 +371,30 @@ def test_the_norm_of_a_16_bit_gradient_is_bitwise_that_of_its_fresh_upcast(monke
         assert torch.equal(functional.grad_norm(g), want), (n, dtype, g.is_contiguous())
     buf = getattr(functional._scratch, "norm_buf", None)
     assert buf is None or buf.numel() <= limit
+
+
+def test_norm_threads_reduce_held_gradients_to_the_same_bits(monkeypatch):
+    """optim/norms.py: many 16-bit gradients handed in faster than the norm threads reduce
+    them (the worker waits for a free buffer), of shrinking and growing sizes, fp16 and bf16,
+    contiguous or not, past the scratch limit, and fp32: each Future's norm is bitwise
+    ``vector_norm(g.float())``, and the gradients are not changed."""
+    import random
+
+    from megatrain.optim import functional, norms
+
+    limit = random.randint(5_000, 20_000)
+    monkeypatch.setattr(functional, "NORM_SCRATCH_MAX", limit)
+    pool = norms.NormThreads(random.randint(1, 3))
+    grads = []
+    for _ in range(40):
+        n = random.randint(1, 2 * limit)
+        dtype = random.choice([torch.bfloat16, torch.float16, torch.float32])
+        g = (torch.randn(n) * 10 ** random.uniform(-3, 3)).to(dtype)
+        if random.random() < 0.3 and n > 4:
+            g = g[: n - n % 4].view(-1, 4).t()  # not contiguous
+        grads.append((g, g.clone()))
+    futures = [pool.norm(g) for g, _ in grads]
+    for (g, before), f in zip(grads, futures):
+        assert torch.equal(norms.resolved(f), torch.linalg.vector_norm(g.float(), 2.0))
+        assert torch.equal(g, before)
+    assert norms.norm_threads_for(2) == 1 and norms.norm_threads_for(16) == 4

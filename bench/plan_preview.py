@@ -165,11 +165,15 @@ def _stop_after_planning(sites: bool = False, rates=None):
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
             keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
-            rates=None):
+            rates=None, host_memory: str | None = None):
     """(StepSchedule, None, UpdateSites or None), or (None, the planner's error, None).
     With `updates`, a megatrain.AdamW owns the parameters (update sites are chosen only for
-    the gradients handed to it), and the preview stops once the backend chose them."""
+    the gradients handed to it), and the preview stops once the backend chose them.
+    `host_memory`: the host budget of the machine planned for (the keep chooser refuses
+    mixes whose offloads it cannot hold); None: unbounded, not this machine's RAM."""
     import megatrain
+    from megatrain.compiler import options as options_mod
+    from megatrain.compiler.options import parse_bytes
     from megatrain.models import Llama
 
     cfg = _config(model, layers)
@@ -187,6 +191,9 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
               **({"kernels": kernels.split(",")} if kernels else {}), **({"updates": updates} if updates else {})}
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
+    budget = None if host_memory is None else parse_bytes(host_memory, "host_memory")
+    real_host_memory = options_mod._host_memory
+    options_mod._host_memory = lambda value: budget
     with _stop_after_planning(sites=bool(updates), rates=rates), megatrain.config.patch(**forced):
         try:
             step(ids, labels=ids)
@@ -198,6 +205,8 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
                 raise
             del owner  # held until the backend chose the sites
             return found.schedule, found.error, found.sites
+        finally:
+            options_mod._host_memory = real_host_memory
     raise AssertionError("the backend compiled without planning")
 
 
@@ -219,9 +228,12 @@ def main(argv=None) -> int:
                    help="plan with these rates instead of this machine's: a JSON object of "
                         "megatrain.plan.costs.Rates, or a bench/results/train.jsonl row "
                         "(its planned_rates), inline or in a file")
+    p.add_argument("--host-memory", default=None,
+                   help="the host budget of the machine planned for, e.g. 78GiB (default: unbounded)")
     args = p.parse_args(argv)
     schedule, error, sites = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
-                                     args.keep_weights, args.kernels, args.updates, _rates(args.rates))
+                                     args.keep_weights, args.kernels, args.updates, _rates(args.rates),
+                                     args.host_memory)
     if error is not None:
         print(f"no plan: {error}")
         if not args.kernels:

@@ -29,6 +29,7 @@ from . import explain as explain_mod
 from . import decide, keep, outputs, rates
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
+from .host_budget import HostMemoryExceeded
 from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
@@ -290,25 +291,31 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         with phase("planning", times):
             chosen, plain, plan.keep_choice = keep.choose(split, candidates_of, cap, opts, streamer)
             try:
-                transfers(chosen.fw, chosen.bw, chosen.problem)
-            except InfeasibleBudget as e:
+                step = plan_pair(chosen)
+            except (InfeasibleBudget, HostMemoryExceeded) as e:
                 if chosen is plain:
                     raise
                 if opts.keep_activations is not None:  # forced: say that it did not happen
+                    budget = "gpu_memory" if isinstance(e, InfeasibleBudget) else "host_memory"
                     warnings.warn(f"megatrain: keep_activations={opts.keep_activations!r} does not fit "
-                                  f"gpu_memory ({e}); every region recomputes its forward",
+                                  f"{budget} ({e}); every region recomputes its forward",
                                   RuntimeWarning, stacklevel=2)
                 chosen = plain  # the mix was an estimate: the real kept graphs did not fit
-                transfers(chosen.fw, chosen.bw, chosen.problem)
-            fw, bw, saved = chosen.fw, chosen.bw, chosen.saved
-            plan.saved_activations, plan.saved_activation_bytes = saved.names, saved.bytes
-            handoffs = gradient_handoffs(bw) if bw is not None else []
-            if handoffs:
-                _share_cores(cap.params, opts)
-            configure(decide.step_plan(plan, cap, opts, streamer, handoffs,
-                                       training=bw is not None, kept=chosen.kept))
+                step = plan_pair(chosen)
+            configure(step)
             _warn_if_slow(plan, opts, streamer.region_names)
-        return fw, bw
+        return chosen.fw, chosen.bw
+
+    def plan_pair(chosen):
+        """Schedule the pair `chosen` (transfer nodes in its graphs) and decide the rest:
+        its StepPlan, or InfeasibleBudget / HostMemoryExceeded where a budget cannot hold it."""
+        transfers(chosen.fw, chosen.bw, chosen.problem)
+        plan.saved_activations, plan.saved_activation_bytes = chosen.saved.names, chosen.saved.bytes
+        handoffs = gradient_handoffs(chosen.bw) if chosen.bw is not None else []
+        if handoffs:
+            _share_cores(cap.params, opts)
+        return decide.step_plan(plan, cap, opts, streamer, handoffs,
+                                training=chosen.bw is not None, kept=chosen.kept)
 
     def configure(step):
         """The one way decisions reach the runtime (and explain)."""

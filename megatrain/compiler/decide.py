@@ -27,20 +27,15 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
     snapshot window), never changed. Raises where host_memory cannot hold the step."""
     sched = plan.schedule
     chosen = sched.plan
-    itemsize = opts.compute_dtype.itemsize
     regions = update_sites.gradient_regions(handoffs)
     sites, reserve, window = update_sites_for(
         chosen.schedule.problem, plan.predicted_peak_bytes, sched.rates, opts, streamer, regions,
         cap.params) if regions else ({}, 0, 0)
 
-    out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
-    offloaded_units = sorted(chosen.config.offloaded)
-    offloaded_bytes = sum(int(out_bytes[u]) for u in offloaded_units)
-    needs = host_budget.host_needs(cap.params, cap.region_params, offloaded_bytes, itemsize,
-                                   opts.weight_shadow, training=training)
+    needs = host_needs_of(chosen, cap, opts, training)
     host_budget.check_host_budget(needs, opts.host_memory)
 
-    offloaded = {sched.units[u][-1] if sched.units.get(u) else u for u in offloaded_units}
+    offloaded = {sched.units[u][-1] if sched.units.get(u) else u for u in sorted(chosen.config.offloaded)}
     by_region = {g.region: g for g in regions}
     decisions = []
     for r in cap.regions.regions:
@@ -57,6 +52,16 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
             sites.get(g.region, "host") == "host" for g in regions)), handoffs=tuple(handoffs), update_reserve=reserve,
         snapshot_window=window, host_needs=tuple(needs.items()), host_memory=opts.host_memory,
         predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time)
+
+
+def host_needs_of(chosen, cap, opts: Options, training: bool) -> dict[str, int]:
+    """What the planner's schedule `chosen` (plan.search.Plan) adds to host memory for the
+    capture `cap`: the AdamW moments and gradient slabs training needs, and the boundary
+    activations (with any kept outputs of their regions) the schedule parks there."""
+    out_bytes = {r.id: r.out_bytes for r in chosen.schedule.problem.regions}
+    offloaded_bytes = sum(int(out_bytes[u]) for u in chosen.config.offloaded)
+    return host_budget.host_needs(cap.params, cap.region_params, offloaded_bytes,
+                                  opts.compute_dtype.itemsize, opts.weight_shadow, training=training)
 
 
 def update_sites_for(problem, peak: int, rates, opts: Options, streamer, regions,

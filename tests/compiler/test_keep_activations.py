@@ -136,6 +136,45 @@ def test_kept_activations_can_wait_in_host_memory(recwarn):
     assert not [w for w in recwarn if "shares its storage" in str(w.message)]
 
 
+def _host_total(graph) -> int:
+    return sum(v for _, v in graph.step_plan.host_needs)
+
+
+def test_kept_outputs_that_host_memory_cannot_hold_are_not_kept(monkeypatch):
+    """Kept outputs of offloaded regions wait in host memory: where host_memory holds the
+    recompute plan's offloads but not the kept ones, a forced keep warns and recomputes
+    (it does not stop the compile), and the cost model's own pick fits host_memory; both
+    train like eager."""
+    torch.manual_seed(0)
+    batches = random_batches(64, 3, batch=8, seq=64)
+    roomy = train_side_by_side(offload_model(), batches, _opts(True, 64 * OFFLOAD_BUDGET), steps=1)
+    need = least_budgets(roomy["plan"].graphs[0].schedule)
+    budget = (need[True] + need[False]) // 2
+    plans = {}
+    for forced in (False, True):
+        torch._dynamo.reset()
+        plans[forced] = train_side_by_side(offload_model(), batches, _opts(forced, budget), steps=1)["plan"].graphs[0]
+    assert plans[True].kept_regions and plans[True].schedule.plan.config.offloaded & set(plans[True].kept_regions)
+    plain, kept = _host_total(plans[False]), _host_total(plans[True])
+    assert plain < kept
+    host_memory = (plain + kept) // 2
+    torch._dynamo.reset()
+    with pytest.warns(RuntimeWarning, match="keep_activations=True does not fit host_memory"):
+        out = train_side_by_side(offload_model(), batches, {**_opts(True, budget), "host_memory": host_memory})
+    _assert_like_eager(out)
+    g = out["plan"].graphs[0]
+    assert not g.kept_regions and _host_total(g) <= host_memory
+
+    monkeypatch.setattr(rates_mod, "CALIBRATED", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    out = train_side_by_side(offload_model(), batches, {**_opts(None, budget), "host_memory": host_memory})
+    _assert_like_eager(out)
+    g = out["plan"].graphs[0]
+    assert g.keep_choice is not None and _host_total(g) <= host_memory
+    scored = dict(g.keep_choice.scored)
+    assert scored[max(scored)] is None  # every candidate kept: its offloads overflow the host
+
+
 def test_a_permuted_dense_tensor_owns_its_storage_and_a_slice_does_not():
     from megatrain.runtime.activation_offload import _sole_owner
 

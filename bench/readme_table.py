@@ -75,12 +75,15 @@ def budget(row: dict) -> str | None:
 
 
 def forced(row: dict) -> bool:
-    """Whether the row forced one of megatrain's decisions (a variant, or the bench's old
-    defaults, which forced updates="host" and prefetch=1)."""
+    """Whether the row forced one of megatrain's decisions (a variant, a decision flag such
+    as --keep-activations, or the bench's old defaults, which forced updates="host" and
+    prefetch=1)."""
     # Rows from before the decisions were recorded count as forced: what ran is unknown.
     return row["system"] == "megatrain" and (
         label(row) != row["system"] or row.get("updates", "?") is not None
-        or row.get("prefetch", "?") is not None)
+        or row.get("prefetch", "?") is not None
+        or any(row.get(k) is not None for k in ("kernels", "backlog", "grad_chunk", "keep_activations"))
+        or row.get("offload") is False or bool(row.get("keep_weights")) or bool(row.get("weight_shadow")))
 
 
 def _minutes(row: dict) -> float | None:

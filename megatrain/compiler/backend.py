@@ -35,7 +35,7 @@ from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
 from .phases import phase
 from .plan import GraphPlan
-from ..plan.search import InfeasibleBudget
+from ..plan.search import InfeasibleBudget, OffloadRoomExceeded
 from ..plan.waits import slow_plan_warning
 from .schedule import schedule_step
 from .weight_casts import retarget_weight_casts
@@ -278,7 +278,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                               opts.prefetch, opts.offload,
                               fused=opts.fused_lowering,
                               keep_weights=opts.keep_weights, region_names=streamer.region_names,
-                              param_names=cap.fqns, problem=problem)
+                              param_names=cap.fqns, problem=problem,
+                              offload_room=decide.offload_room(cap, opts, training=bw is not None))
         f = insert_transfers(fw, "forward", sid, sched.forward, sched.forward_fetches, opts.device,
                              opts.compute_dtype, sched.offloaded)
         plan.schedule, plan.forward_events, plan.prefetch_count = sched, f.events, f.prefetch_count
@@ -292,7 +293,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             chosen, plain, plan.keep_choice = keep.choose(split, candidates_of, cap, opts, streamer)
             try:
                 step = plan_pair(chosen)
-            except (InfeasibleBudget, HostMemoryExceeded) as e:
+            except (InfeasibleBudget, OffloadRoomExceeded, HostMemoryExceeded) as e:
                 if chosen is plain:
                     raise
                 if opts.keep_activations is not None:  # forced: say that it did not happen
@@ -308,7 +309,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def plan_pair(chosen):
         """Schedule the pair `chosen` (transfer nodes in its graphs) and decide the rest:
-        its StepPlan, or InfeasibleBudget / HostMemoryExceeded where a budget cannot hold it."""
+        its StepPlan, or InfeasibleBudget / OffloadRoomExceeded / HostMemoryExceeded where
+        a budget cannot hold it."""
         transfers(chosen.fw, chosen.bw, chosen.problem)
         plan.saved_activations, plan.saved_activation_bytes = chosen.saved.names, chosen.saved.bytes
         handoffs = gradient_handoffs(chosen.bw) if chosen.bw is not None else []

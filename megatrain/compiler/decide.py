@@ -64,6 +64,16 @@ def host_needs_of(chosen, cap, opts: Options, training: bool) -> dict[str, int]:
                                   opts.compute_dtype.itemsize, opts.weight_shadow, training=training)
 
 
+def offload_room(cap, opts: Options, training: bool) -> int | None:
+    """The host bytes the plan may park activations in: host_memory less what training adds
+    beside them (moments, slabs, shadows); None without a host budget."""
+    if opts.host_memory is None:
+        return None
+    beside = host_budget.host_needs(cap.params, cap.region_params, 0, opts.compute_dtype.itemsize,
+                                    opts.weight_shadow, training=training)
+    return max(0, opts.host_memory - sum(beside.values()))
+
+
 def update_sites_for(problem, peak: int, rates, opts: Options, streamer, regions,
                      params: Sequence[torch.Tensor]):
     """(site per region, the reserve beside the plan, the snapshot window) for a schedule of

@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from ..errors import MegatrainValueError
 from ..plan.keep import KeepChoice, choose_kept, comparable
-from ..plan.search import InfeasibleBudget, plan_step
-from . import decide, host_budget, rates, update_sites
+from ..plan.search import InfeasibleBudget, OffloadRoomExceeded, plan_step
+from . import decide, rates, update_sites
 from .options import Options
 from .passes import gradient_handoffs
 from .schedule import planner_options, step_problem
@@ -94,20 +94,19 @@ def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
 
 def _scorer(cap, opts: Options, streamer, handoffs, planned_rates):
     """score(problem) -> the predicted step as the runtime runs it, or None where no
-    schedule fits gpu_memory, or the fastest one's host needs do not fit host_memory."""
+    schedule fits gpu_memory with its offloads within host_memory."""
     regions = update_sites.gradient_regions(handoffs)
     pids = {g.region: g.pids for g in regions}
     waits = update_sites.optimizer_waits_for_norm([cap.params[p] for _, p in handoffs])
-    options = planner_options(opts.prefetch, opts.offload, opts.keep_weights, training=True)
+    # kept outputs of offloaded regions wait in host memory too: the planner holds every
+    # mix's offloads to what host_memory leaves for them
+    options = planner_options(opts.prefetch, opts.offload, opts.keep_weights, training=True,
+                              offload_room=decide.offload_room(cap, opts, training=True))
 
     def score(problem) -> float | None:
         try:
             plan = plan_step(problem, opts.gpu_memory, planned_rates, options=options)
-        except InfeasibleBudget:
-            return None
-        # kept outputs of offloaded regions wait in host memory too: a mix host_memory cannot
-        # hold does not fit, however fast
-        if not host_budget.fits(decide.host_needs_of(plan, cap, opts, training=True), opts.host_memory):
+        except (InfeasibleBudget, OffloadRoomExceeded):
             return None
         if not regions:
             return plan.step_time

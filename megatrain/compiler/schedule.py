@@ -54,30 +54,33 @@ def step_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[tor
     return build_problem(fw, bw, params, device, dtype, fused, scale), rates
 
 
-def planner_options(prefetch: int, offload: bool, keep_weights: bool, training: bool) -> PlannerOptions:
+def planner_options(prefetch: int, offload: bool, keep_weights: bool, training: bool,
+                    offload_room: int | None = None) -> PlannerOptions:
     """The planner's search space for the options (schedule_step's arguments)."""
     return PlannerOptions(max_slots=prefetch + 1, offload=offload and training,
-                          keep=keep_weights and training)
+                          keep=keep_weights and training, offload_room=offload_room)
 
 
 def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
                   offload: bool = True, fused: bool = False, keep_weights: bool = False,
                   region_names: dict[int, str] | None = None, param_names: list[str] = (),
-                  problem: tuple | None = None) -> StepSchedule:
+                  problem: tuple | None = None, offload_room: int | None = None) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
     `offload`: boundary activations may wait in host memory between the passes; `fused`:
     Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
     `keep_weights`: regions may keep their forward weights for their backward;
     `region_names` and `param_names` name graph regions and parameters in what it says;
-    `problem`: step_problem's answer for this pair with these arguments, if already read."""
+    `problem`: step_problem's answer for this pair with these arguments, if already read;
+    `offload_room`: the most bytes of activations the plan may park in host memory."""
     sp, rates = problem if problem is not None else step_problem(fw, bw, params, device, dtype, fused)
     joined = joined_streaming(sp, region_names or {}, param_names)
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)
     with noting(joined):
         plan = plan_step(sp.problem, budget, rates, dims=sp.dims,
-                         options=planner_options(prefetch, offload, keep_weights, bw is not None))
+                         options=planner_options(prefetch, offload, keep_weights, bw is not None,
+                                                 offload_room))
     validate(plan.schedule, budget)
     events = graph_events(plan.schedule, sp.forward_uses, sp.backward_uses)
     wanted = min(prefetch + 1, max(1, sum(1 for r in sp.problem.regions if r.weights)))

@@ -50,6 +50,11 @@ class InfeasibleBudget(MegatrainValueError):
         self.min_budget = min_budget
 
 
+class OffloadRoomExceeded(MegatrainValueError):
+    """Schedules fit the device budget, but each parks more activations in host memory than
+    `PlannerOptions.offload_room` allows."""
+
+
 @dataclass(frozen=True)
 class PlannerOptions:
     """The search space. The leanest point (1 slot issued just in time, reload lead 0,
@@ -60,6 +65,9 @@ class PlannerOptions:
     while the runtime has no activation offload: every output stays on the device).
     keep: whether regions may keep their forward weights for their backward where the
         budget has room beside the chosen schedule (`_with_kept`).
+    offload_room: the most bytes of activations a schedule may park in host memory (what
+        host_memory leaves beside the optimizer's state); None: no limit. A schedule whose
+        offloads exceed it does not fit, however fast.
     """
 
     max_slots: int = 3
@@ -68,6 +76,7 @@ class PlannerOptions:
     steps: int = 2
     offload: bool = True
     keep: bool = False
+    offload_room: int | None = None
 
 
 @dataclass
@@ -127,6 +136,8 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
     lags = sorted(set(options.release_lags) | {0}) if (offl or sh.owned) else [0]
     fits: list[PlanConfig] = []
     leanest: tuple | None = None
+    out_bytes = {r.id: int(r.out_bytes) for r in concrete.regions}
+    host_short: int | None = None  # the fewest offloaded bytes of a schedule the room refused
     for slots, wlead in modes:
         for rlead in leads:
             least_m = None  # offloads needed with the next-smaller release lag
@@ -147,12 +158,23 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
                 cfg = curve.config(lo)
                 if not cfg.offloaded:
                     cfg = replace(cfg, reload_lead=0)
+                parked = sum(out_bytes[u] for u in cfg.offloaded)
+                if options.offload_room is not None and parked > options.offload_room:
+                    host_short = parked if host_short is None else min(host_short, parked)
+                    continue
                 if least_m is not None and least_m[0] == lo and least_m[1] in fits:
                     # A longer lag only moves waits later: same offloads, never slower.
                     fits.remove(least_m[1])
                 least_m = (lo, cfg)
                 if cfg not in fits:
                     fits.append(cfg)
+    if not fits and host_short is not None:
+        raise OffloadRoomExceeded(
+            f"every schedule within gpu_memory={budget} bytes ({format_bytes(budget)}) parks at "
+            f"least {host_short} bytes ({format_bytes(host_short)}) of activations in host memory, "
+            f"but host_memory leaves {options.offload_room} bytes "
+            f"({format_bytes(options.offload_room)}) for them beside the optimizer's state; give "
+            f"more host_memory, or more gpu_memory so fewer activations leave the device")
     if not fits:
         p, at, cfg = leanest
         where = f" (during the {'forward' if at.phase == 'fw' else 'backward'} of region {at.region}: " \

@@ -16,7 +16,6 @@ import math
 import re
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 from . import RefusedError

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from megatrain.plan.costs import GPU_DEFAULT, Rates, link_rates
 from megatrain.plan.problem import Problem, RegionSpec, Weight, with_update_sites
 from megatrain.plan.program import PlanConfig, largest_fitting
-from megatrain.plan.search import InfeasibleBudget, PlannerOptions, plan_step
+from megatrain.plan.search import InfeasibleBudget, OffloadRoomExceeded, PlannerOptions, plan_step
 from megatrain.plan.simulate import simulate
 from megatrain.plan.validate import ScheduleInvalid, min_budget, validate, violations
 from megatrain.errors import MegatrainValueError
@@ -292,6 +292,36 @@ def test_budget_buys_prefetch_depth_then_keeps_activations():
     assert roomy.gpu_idle < lean.gpu_idle
     for plan, budget in ((lean, min_budget(p)), (roomy, 100 * GB)):
         validate(plan.schedule, budget)
+
+
+def _parked(plan) -> int:
+    """Bytes of activations the plan parks in host memory between the passes."""
+    return sum(int(r.out_bytes) for r in plan.schedule.problem.regions if r.id in plan.config.offloaded)
+
+
+def test_offloads_stay_within_the_host_room():
+    """host_memory leaves the plan a room for offloaded activations: a schedule parking more
+    does not fit, so the planner takes one that parks less (never predicted faster than
+    the one it could not have), or says no schedule fits both budgets."""
+    p = llama_like()
+    lean = min_budget(p)
+    with pytest.raises(OffloadRoomExceeded, match="host_memory"):
+        plan_step(p, lean, GPU_DEFAULT, options=PlannerOptions(offload_room=0))
+    tighter = 0
+    for budget in (int(lean * f) for f in (1.05, 1.1, 1.2, 1.3, 1.5, 1.8, 2.2)):
+        free = plan_step(p, budget, GPU_DEFAULT)
+        parked = _parked(free)
+        assert plan_step(p, budget, GPU_DEFAULT, options=PlannerOptions(offload_room=parked)).config == free.config
+        if not parked:
+            continue
+        try:
+            tight = plan_step(p, budget, GPU_DEFAULT, options=PlannerOptions(offload_room=parked - 1))
+        except OffloadRoomExceeded:
+            continue
+        tighter += 1
+        assert _parked(tight) < parked and tight.step_time >= free.step_time
+        validate(tight.schedule, budget)
+    assert tighter
 
 
 def test_infeasible_budget_names_the_minimum():

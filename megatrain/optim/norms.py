@@ -3,9 +3,9 @@
 The clip needs each final gradient's 2-norm exactly as ``clip_grad_norm_(foreach=False)``
 computes it: ``vector_norm`` of the fp32 values (functional.grad_norm). torch reduces a
 CPU tensor to a scalar on one core (the bits are the same at any thread count), while
-every other kernel the worker runs (copies, upcasts, AdamW) uses all of its threads: on a
-16-core host the single-core reductions were the largest serial part of the clipped path
-(bench/results/NOTES.md, session 29). So the worker upcasts a held gradient with all of
+every other kernel the worker runs (copies, upcasts, AdamW) uses all of its threads, so
+on a many-core host the single-core reductions are the largest serial part of the clipped
+path (bench/bench_adamw.py's "mt clipped"). So the worker upcasts a held gradient with all of
 its threads into one of a few fp32 scratch buffers and hands the reduction to norm
 threads that run beside it, one core each, while it goes on with the next gradient. Each
 norm is the same op on the same values as before, so it has the same bits; only when it

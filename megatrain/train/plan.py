@@ -233,7 +233,7 @@ def plan_summary(step_fn, device: str) -> tuple[str, float | None]:
     step, what the run is measured against. None on the CPU device: there the step is
     bound by neither FLOPs nor memory bandwidth, as the cost model assumes, but by kernel
     and dispatch overheads it does not model, so no prediction is printed rather than a
-    wrong one (bench/results/NOTES.md has the measurement)."""
+    wrong one."""
     import megatrain
 
     info = megatrain.explain(step_fn)

@@ -143,7 +143,8 @@ def run_system(args) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
     backward = torch.Tensor.backward  # DeepSpeed's engine runs its own (zero3-offload)
-    if args.system in ("resident-compiled", "resident", "eager"):
+    resident = args.system in ("resident-compiled", "resident", "eager")
+    if resident:
         model = model.to(device)
         if args.checkpoint == "layers":
             _checkpoint_layers(model)
@@ -300,7 +301,7 @@ def run_system(args) -> dict:
         "system": args.system, "model": args.model, "layers": model.config.layers, "params": n_params,
         "tokens_per_step": args.tokens, "seq": args.seq, "step_s": step,
         "tokens_per_s": args.tokens / step, "tflops": flops_per_token * args.tokens / step / 1e12,
-        "checkpoint": args.checkpoint if args.system in ("resident-compiled", "resident", "eager") else None,
+        "checkpoint": args.checkpoint if resident else None,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "host_rss_gib": _status("VmHWM") / 2**30, "gpu_memory": args.gpu_memory, "steps": times,
         # torch's compile timers over the whole process (dynamo, AOT, Inductor's stages)
@@ -337,7 +338,7 @@ def run_system(args) -> dict:
         row["threads_sweep"] = sweep
     if slabs_sweep:
         row["slabs_sweep"] = slabs_sweep
-    if args.system in ("resident-compiled", "resident", "eager"):
+    if resident:
         row["recompute_flops_per_step"] = (layer_forward_flops_per_token(model, args.seq) * args.tokens
                                            if args.checkpoint == "layers" else 0.0)
     if args.system == "megatrain":

@@ -29,7 +29,6 @@ from . import explain as explain_mod
 from . import decide, keep, outputs, rates
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
-from .host_budget import HostMemoryExceeded
 from .options import Options, parse_options
 from .partition import make_partition_fn
 from .passes import gradient_handoffs, insert_transfers
@@ -293,7 +292,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             chosen, plain, plan.keep_choice = keep.choose(split, candidates_of, cap, opts, streamer)
             try:
                 step = plan_pair(chosen)
-            except (InfeasibleBudget, OffloadRoomExceeded, HostMemoryExceeded) as e:
+            except (InfeasibleBudget, OffloadRoomExceeded) as e:
                 if chosen is plain:
                     raise
                 if opts.keep_activations is not None:  # forced: say that it did not happen
@@ -309,8 +308,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def plan_pair(chosen):
         """Schedule the pair `chosen` (transfer nodes in its graphs) and decide the rest:
-        its StepPlan, or InfeasibleBudget / OffloadRoomExceeded / HostMemoryExceeded where
-        a budget cannot hold it."""
+        its StepPlan, or InfeasibleBudget / OffloadRoomExceeded where a budget cannot hold
+        it."""
         transfers(chosen.fw, chosen.bw, chosen.problem)
         plan.saved_activations, plan.saved_activation_bytes = chosen.saved.names, chosen.saved.bytes
         handoffs = gradient_handoffs(chosen.bw) if chosen.bw is not None else []

@@ -62,22 +62,13 @@ def host_needs(params: Sequence[torch.Tensor], region_params: Mapping[int, Seque
     return {k: v for k, v in needs.items() if v}
 
 
-class HostMemoryExceeded(MegatrainValueError):
-    """A plan needs more host memory than ``host_memory`` allows."""
-
-
-def fits(needs: Mapping[str, int], host_memory: int | None) -> bool:
-    """Whether ``needs`` fit ``host_memory`` (None: no budget)."""
-    return host_memory is None or sum(needs.values()) <= host_memory
-
-
 def check_host_budget(needs: Mapping[str, int], host_memory: int | None) -> None:
     """Refuse a graph whose host needs exceed ``host_memory``, naming each part and the fix."""
-    if fits(needs, host_memory):
-        return
     total = sum(needs.values())
+    if host_memory is None or total <= host_memory:
+        return
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(needs.items(), key=lambda kv: -kv[1]))
-    raise HostMemoryExceeded(
+    raise MegatrainValueError(
         f"this graph needs {total} bytes ({format_bytes(total)}) of host memory beyond the model's "
         f"parameters ({parts}) but host_memory is {host_memory} bytes ({format_bytes(host_memory)}; "
         f"unset, it is the RAM available at compile time less a margin); give host_memory of at "

@@ -136,7 +136,8 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
     lags = sorted(set(options.release_lags) | {0}) if (offl or sh.owned) else [0]
     fits: list[PlanConfig] = []
     leanest: tuple | None = None
-    out_bytes = {r.id: int(r.out_bytes) for r in concrete.regions}
+    room = options.offload_room
+    out_bytes = {r.id: int(r.out_bytes) for r in concrete.regions} if room is not None else {}
     host_short: int | None = None  # the fewest offloaded bytes of a schedule the room refused
     for slots, wlead in modes:
         for rlead in leads:
@@ -158,10 +159,11 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
                 cfg = curve.config(lo)
                 if not cfg.offloaded:
                     cfg = replace(cfg, reload_lead=0)
-                parked = sum(out_bytes[u] for u in cfg.offloaded)
-                if options.offload_room is not None and parked > options.offload_room:
-                    host_short = parked if host_short is None else min(host_short, parked)
-                    continue
+                if room is not None:
+                    parked = sum(out_bytes[u] for u in cfg.offloaded)
+                    if parked > room:
+                        host_short = parked if host_short is None else min(host_short, parked)
+                        continue
                 if least_m is not None and least_m[0] == lo and least_m[1] in fits:
                     # A longer lag only moves waits later: same offloads, never slower.
                     fits.remove(least_m[1])
@@ -172,9 +174,9 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
         raise OffloadRoomExceeded(
             f"every schedule within gpu_memory={budget} bytes ({format_bytes(budget)}) parks at "
             f"least {host_short} bytes ({format_bytes(host_short)}) of activations in host memory, "
-            f"but host_memory leaves {options.offload_room} bytes "
-            f"({format_bytes(options.offload_room)}) for them beside the optimizer's state; give "
-            f"more host_memory, or more gpu_memory so fewer activations leave the device")
+            f"but host_memory leaves {room} bytes ({format_bytes(room)}) for them beside the "
+            f"optimizer's state; give more host_memory, or more gpu_memory so fewer activations "
+            f"leave the device")
     if not fits:
         p, at, cfg = leanest
         where = f" (during the {'forward' if at.phase == 'fw' else 'backward'} of region {at.region}: " \

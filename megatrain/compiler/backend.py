@@ -21,7 +21,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 
 from .. import config
 from ..errors import MegatrainValueError, format_bytes, noting
-from ..optim import module_reads
+from ..optim import engine, module_reads
 from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
@@ -152,13 +152,14 @@ def _share_cores(params, opts: Options) -> None:
     """Streaming on a GPU, the host optimizer shares the cores and host memory bandwidth
     with the copies, the launch thread and autograd: fewer threads than cores update
     faster there (bench/train.py --optim-threads sweeps it). So an optimizer whose threads
-    the user left unset gets half the cores."""
+    the user left unset gets `engine.streaming_threads`, the count the probe times the host
+    update at."""
     if opts.device.type != "cuda":
         return
-    half = max(1, torch.get_num_threads() // 2)
+    threads = engine.streaming_threads(opts.device.type)
     owners = {id(o): o for o in map(owner_of, params) if o is not None}
     for opt in owners.values():
-        opt.prefer_threads(half)
+        opt.prefer_threads(threads)
 
 
 def megatrain_backend(gm: torch.fx.GraphModule, example_inputs, options=None, **kwargs):

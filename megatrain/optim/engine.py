@@ -30,6 +30,17 @@ from typing import Any
 import torch
 
 
+def streaming_threads(device_type: str) -> int:
+    """The intra-op threads a host optimizer gets beside a streamed step on `device_type`
+    when its user left them unset: on a GPU the optimizer shares the cores and host memory
+    bandwidth with the copies, the launch thread and autograd, and fewer threads than cores
+    update faster there, so half the cores; on the CPU, where the "device" is the same
+    cores, the caller's count. One rule for the backend, which hands the count to the
+    optimizer, and for the probe, which measures the update rate the cost model charges."""
+    threads = torch.get_num_threads()
+    return max(1, threads // 2) if device_type == "cuda" else threads
+
+
 def _set_worker_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 

@@ -119,21 +119,19 @@ def compute_seconds(flops: int, rates: Rates, traffic: int = 0) -> float:
 
 
 def host_bandwidth(rates: Rates) -> float:
-    """Host memory bytes/s as the probe's fused AdamW achieved them."""
+    """Host memory bytes/s as the probe's fused AdamW achieved them: at the host optimizer's
+    threads, beside a busy link on a GPU (runtime/probe.py), so what the copies take from
+    host memory bandwidth is already out of it."""
     return rates.adamw * ADAMW_BYTES_PER_PARAM
 
 
-def host_step_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:
-    """A region's AdamW update, charged with the host memory traffic of its region's copies.
-
-    The update is bound by host memory bandwidth, and the DMA engines read the masters
-    (weight fetches) and write the gradients through the same memory while it runs, so
-    host memory is one resource: the update's 28 B/param plus `copy_bytes` (what its
-    weights' fetches and gradient copies move per step) over the probed bandwidth. Charged
-    per region, not per schedule overlap, so durations stay independent of the plan."""
+def host_step_seconds(numel: int, rates: Rates) -> float:
+    """A region's AdamW update: bound by host memory bandwidth, 28 B/param at the probed
+    rate (taken while the link copies in both directions, as the weights' fetches and the
+    gradients' copies do through the step)."""
     if numel <= 0:
         return 0.0
-    return (numel * ADAMW_BYTES_PER_PARAM + copy_bytes) / host_bandwidth(rates)
+    return numel * ADAMW_BYTES_PER_PARAM / host_bandwidth(rates)
 
 
 def host_hold_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
@@ -143,17 +141,16 @@ def host_hold_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
     return numel * hold_bytes_per_param(grad_bytes) / host_bandwidth(rates)
 
 
-def host_clipped_step_seconds(numel: int, grad_bytes: int, rates: Rates, copy_bytes: int = 0) -> float:
+def host_clipped_step_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
     """host_step_seconds for a clipping optimizer: the update scales the held gradient."""
     if numel <= 0:
         return 0.0
-    return host_step_seconds(numel, rates, copy_bytes) + (
+    return host_step_seconds(numel, rates) + (
         numel * clip_update_bytes_per_param(grad_bytes) / host_bandwidth(rates))
 
 
-def host_accumulate_seconds(numel: int, rates: Rates, copy_bytes: int = 0) -> float:
-    """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW
-    (and charged with the micro-batch's copies the same way)."""
+def host_accumulate_seconds(numel: int, rates: Rates) -> float:
+    """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW."""
     if numel <= 0:
         return 0.0
-    return (numel * ACCUMULATE_BYTES_PER_PARAM + copy_bytes) / host_bandwidth(rates)
+    return numel * ACCUMULATE_BYTES_PER_PARAM / host_bandwidth(rates)

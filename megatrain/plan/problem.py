@@ -293,11 +293,6 @@ class _Shape:
         for w in sorted(self.owner):
             owned.setdefault(self.owner[w], []).append(w)
         self.owned = {o: tuple(ws) for o, ws in owned.items()}
-        # Host memory bytes the copies of each owner's weights move per micro-batch: every
-        # fetch reads the master, every gradient copy writes it (see costs.host_step_seconds).
-        fetches = collections.Counter(w for ph in self.phases for ws in self.reads[ph].values() for w in ws)
-        self.copy_bytes = {o: sum(fetches[w] * self.weight[w].h2d_bytes + self.weight[w].d2h_bytes for w in ws)
-                           for o, ws in self.owned.items()}
         # Regions whose forward weights may stay on the device for their backward: training,
         # the backward reads the same weights, and no other region reads them (a weight read
         # by two regions is fetched for each). Soonest-needed first: first in backward.

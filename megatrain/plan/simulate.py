@@ -68,16 +68,13 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
     for o, ws in sh.owned.items():
         out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].d2h_bytes for w in ws), link["bw"].d2h)
         numel = sum(sh.weight[w].numel for w in ws)
-        # a kept region (its weights are its own) is fetched once: no backward fetch
-        copy = sh.copy_bytes[o] - (sh.link_bytes["bw"][o] if o in cfg.kept_weights else 0)
         if sh.problem.updates_wait:
             grad_bytes = round(sum(sh.weight[w].d2h_bytes for w in ws) / max(numel, 1))
             out[("host_hold", o, "host")] = costs.host_hold_seconds(numel, grad_bytes, rates)
-            out[("host_step", o, "host")] = costs.host_clipped_step_seconds(numel, grad_bytes,
-                                                                            rates, copy)
+            out[("host_step", o, "host")] = costs.host_clipped_step_seconds(numel, grad_bytes, rates)
         else:
-            out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, copy)
-        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, copy)
+            out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates)
+        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates)
     return out
 
 

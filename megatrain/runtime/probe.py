@@ -2,7 +2,10 @@
 
 Measured: pinned H2D, D2H, both at once (separate streams), matmul FLOP/s in the compute
 dtype (a Linear's forward and backward products: the layouts training runs), device memory
-bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s).
+bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s) as
+the host optimizer runs it in a streamed step: at its threads (optim.engine.streaming_threads)
+and, on a GPU, while both directions of the link copy (the weights' fetches read host
+memory and the gradients' copies write it, through the bandwidth the update is bound by).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..optim.engine import streaming_threads
 from ..plan.costs import Rates
 from ..memory.host_store import host_buffer
 
@@ -159,18 +163,81 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * n * dtype.itemsize / t
 
 
-def _adamw_rate(numel: int, repeats: int) -> tuple[float, str]:
+def _adamw_rate(device: torch.device, numel: int, repeats: int, threads: int,
+                copy_bytes: int) -> tuple[float, str, bool]:
+    """Parameters/s of torch's fused CPU AdamW at `threads` intra-op threads, beside a busy
+    link on a CUDA `device`: the update's rate in training, where the weights' fetches and
+    the gradients' copies share host memory bandwidth with it. Also whether the link stayed
+    busy for every timed update (the copies are queued ahead for three times the update's
+    time alone; a False says the rate was partly taken on a quiet link)."""
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-        opt.step()
-        impl = "fused"
-    except (RuntimeError, TypeError):  # a torch without fused CPU AdamW: say so in the cache
-        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-        impl = "foreach"
-    t = _best(lambda: _timed(torch.device("cpu"), opt.step), repeats)
-    return numel / t, impl
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+            opt.step()
+            impl = "fused"
+        except (RuntimeError, TypeError):  # a torch without fused CPU AdamW: say so in the cache
+            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+            impl = "foreach"
+        cpu = torch.device("cpu")
+        if device.type != "cuda":
+            return numel / _best(lambda: _timed(cpu, opt.step), repeats), impl, True
+        alone = _best(lambda: _timed(cpu, opt.step), 1)
+        with _BusyLink(device, copy_bytes) as link:
+            t = _best(lambda: link.around(lambda: _timed(cpu, opt.step), 3 * alone), repeats)
+        return numel / t, impl, link.busy_throughout
+    finally:
+        torch.set_num_threads(before)
+
+
+class _BusyLink:
+    """Both directions of a CUDA device's link copying pinned host buffers while the host
+    times something: `around(fn, seconds)` queues enough copies to outlast `seconds` on two
+    side streams, runs `fn`, notes whether the copies were still running when it returned,
+    and waits them out (untimed)."""
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.device, self.nbytes = device, nbytes
+        self.busy_throughout = True
+
+    def __enter__(self) -> "_BusyLink":
+        n = max(self.nbytes // 2, 1)
+        self.host_src = host_buffer(n, torch.bfloat16, True)
+        self.host_dst = host_buffer(n, torch.bfloat16, True)
+        self.dev_src = torch.ones(n, dtype=torch.bfloat16, device=self.device)
+        self.dev_dst = torch.empty_like(self.dev_src)
+        self.up, self.down = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self.seconds_per_copy = _best(lambda: _timed(self.device, self._one_copy), 1)
+        return self
+
+    def _one_copy(self) -> None:
+        self.dev_dst.copy_(self.host_src, non_blocking=True)
+
+    def around(self, fn: Callable[[], float], seconds: float) -> float:
+        copies = max(2, int(seconds / self.seconds_per_copy) + 1)
+        done = torch.cuda.Event()
+        for _ in range(copies):
+            with torch.cuda.stream(self.up):
+                self.dev_dst.copy_(self.host_src, non_blocking=True)
+            with torch.cuda.stream(self.down):
+                self.host_dst.copy_(self.dev_src, non_blocking=True)
+        done.record(self.up)
+        result = fn()
+        self.busy_throughout &= not done.query()
+        self.up.synchronize()
+        self.down.synchronize()
+        return result
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize(self.device)
+        del self.host_src, self.host_dst, self.dev_src, self.dev_dst
+
+
+# What ran beside the timed host update, by whether the device is a GPU.
+_ADAMW_BESIDE = {True: "duplex copies", False: "nothing"}
 
 
 def probe(device: torch.device | str = "cuda", sizes: ProbeSizes | None = None) -> tuple[Rates, dict]:
@@ -182,11 +249,15 @@ def probe(device: torch.device | str = "cuda", sizes: ProbeSizes | None = None) 
     h2d, d2h, duplex = _copy_rates(device, sizes.copy_bytes, sizes.repeats)
     flops = _matmul_rate(device, sizes.matmul_n, sizes.repeats)
     memory = _memory_rate(device, sizes.copy_bytes, sizes.repeats)
-    adamw, impl = _adamw_rate(sizes.adamw_params, sizes.repeats)
+    adamw_threads = streaming_threads(device.type)
+    adamw, impl, link_busy = _adamw_rate(device, sizes.adamw_params, sizes.repeats, adamw_threads,
+                                         sizes.copy_bytes)
     rates = Rates(device_name(device), h2d=h2d, d2h=d2h, duplex=duplex, flops=flops, adamw=adamw,
                   memory=memory)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "adamw_impl": impl,
-            "sizes": sizes.__dict__, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            "adamw_threads": adamw_threads, "adamw_beside": _ADAMW_BESIDE[device.type == "cuda"],
+            "adamw_link_busy_throughout": link_busy, "sizes": sizes.__dict__,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     return rates, meta
 
 
@@ -200,7 +271,12 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
         try:
             data = json.loads(path.read_text())
             rates = Rates.from_json(data["rates"])
-            if rates.device == name:
+            # the update rate belongs to a thread count and to what ran beside it: a cache
+            # taken otherwise (another process default, an older probe) is measured again
+            meta = data["meta"]
+            cuda = torch.device(device).type == "cuda"
+            if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[cuda]
+                    and meta.get("adamw_threads") == streaming_threads(torch.device(device).type)):
                 return rates
         except (OSError, ValueError, KeyError, TypeError):
             pass

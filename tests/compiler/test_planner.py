@@ -382,10 +382,11 @@ def test_shared_weight_gradient_leaves_once_after_its_last_producer():
     assert [(t.kind, t.micro) for t in hosts] == [("host_acc", 0), ("host_step", 1)] * 2
 
 
-def test_copies_are_charged_link_bytes_and_host_memory():
+def test_copies_are_charged_link_bytes_and_a_host_update_its_own_bytes():
     """Weights cross the link as fp32 masters and gradients as fp32 (link_nbytes), not at
-    their bf16 device size; a host update is charged its 28 B/param plus the host memory
-    its region's copies move (two fetches of the master, one gradient write)."""
+    their bf16 device size; a host update is charged its 28 B/param at the probed rate,
+    whatever its region's copies move (the probe took that rate beside a busy link), so a
+    weight fetched twice costs its update nothing more."""
     numel = random.randint(10**6, 10**7)
     tied = random.random() < 0.5  # a weight read by two regions is fetched twice per pass
     w = [Weight(0, 2 * numel, numel, link_nbytes=4 * numel, grad_link_nbytes=4 * numel),
@@ -399,11 +400,9 @@ def test_copies_are_charged_link_bytes_and_host_memory():
         return s.end[t] - s.start[t]
 
     assert seconds("h2d", 1) == pytest.approx(4 * numel / GPU_DEFAULT.h2d)  # forward: h2d alone
-    fetches = 4 if tied else 2
-    host_bandwidth = 28 * GPU_DEFAULT.adamw
     owner_of_0 = 0  # last in backward among its readers
-    assert seconds("host_step", 1) == pytest.approx((28 + 2 * 4 + 4) * numel / host_bandwidth)
-    assert seconds("host_step", owner_of_0) == pytest.approx((28 + fetches * 4 + 4) * numel / host_bandwidth)
+    for region in (1, owner_of_0):
+        assert seconds("host_step", region) == pytest.approx(numel / GPU_DEFAULT.adamw)
 
 
 def test_update_sites_take_their_weights_off_the_link_and_the_host():

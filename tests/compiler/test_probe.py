@@ -80,3 +80,70 @@ def test_the_first_compile_measures_the_machine_once(tmp_path, monkeypatch):
         monkeypatch.setattr(probe, "probe", no_measuring)
         torch._dynamo.reset()
         torch.compile(model, backend="megatrain", options={"device": "cpu"})(x).sum().backward()
+
+
+def test_adamw_rate_is_measured_at_the_optimizers_threads(tmp_path, monkeypatch):
+    """The cost model charges host updates at the probe's AdamW rate, so the probe times
+    the update at the threads the host optimizer gets beside a streamed step, whatever the
+    process default, and leaves that default as it was."""
+    import torch
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    before = torch.get_num_threads()
+    monkeypatch.setattr(probe, "streaming_threads", lambda device_type: 1)
+    seen = []
+    timed = probe._timed
+
+    def spy(device, work):
+        seen.append(torch.get_num_threads())
+        return timed(device, work)
+
+    monkeypatch.setattr(probe, "_timed", spy)
+    torch.set_num_threads(2)
+    try:
+        probe.load_or_probe("cpu", sizes=TINY)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    meta = json.loads(probe.cache_path(probe.device_name("cpu")).read_text())["meta"]
+    assert meta["adamw_threads"] == 1 and meta["adamw_beside"] == "nothing"
+    assert 1 in seen and 2 in seen  # the AdamW timing at 1 thread, the rest at the default
+
+
+@pytest.mark.parametrize("stale", ["threads", "beside", "older probe"])
+def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
+    """A cached update rate taken at other threads, beside other traffic, or by a probe that
+    recorded neither is not the rate the cost model needs: it is measured again."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    rates = probe.load_or_probe("cpu", sizes=TINY)
+    path = probe.cache_path(rates.device)
+    data = json.loads(path.read_text())
+    if stale == "threads":
+        data["meta"]["adamw_threads"] += 1
+    elif stale == "beside":
+        data["meta"]["adamw_beside"] = "duplex copies"
+    else:
+        del data["meta"]["adamw_threads"], data["meta"]["adamw_beside"]
+    path.write_text(json.dumps(data))
+
+    def measuring(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(probe, "probe", measuring)
+    with pytest.raises(AssertionError, match="measured again"):
+        probe.load_or_probe("cpu")
+
+
+def test_streaming_threads_leave_the_gpu_half_the_cores():
+    import torch
+
+    from megatrain.optim.engine import streaming_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert (streaming_threads("cuda"), streaming_threads("cpu")) == (1, 2)
+        torch.set_num_threads(1)
+        assert (streaming_threads("cuda"), streaming_threads("cpu")) == (1, 1)
+    finally:
+        torch.set_num_threads(before)

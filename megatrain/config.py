@@ -57,6 +57,11 @@ updates = None
 backlog = None
 # Boundary activations may wait in host memory between the passes where the plan needs it.
 offload: bool = True
+# Token-wise modules (an MLP: linears, activations, per-feature norms) run a chunk of the
+# sequence at a time, their backward recomputing one chunk's forward (compiler/
+# token_chunks.py): True wherever a module qualifies, False never. None: the planner's
+# choice, only where the step does not fit gpu_memory and host_memory otherwise.
+token_chunks = None
 # Regions whose backward reads the matmul and attention outputs their forward saved instead
 # of recomputing them (plan/keep.py): True every region that can, False none. None: the
 # planner's choice by predicted step on a device whose rates are calibrated (CUDA), none
@@ -71,7 +76,7 @@ keep_weights: bool = False
 # Stream bf16 weights from a page-locked copy megatrain.AdamW keeps current (bf16 only).
 weight_shadow: bool = False
 
-DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload",
+DECISIONS = ("lowering", "prefetch", "kernels", "updates", "backlog", "offload", "token_chunks",
              "keep_activations", "grad_chunk", "grad_slabs", "keep_weights", "weight_shadow")
 
 

@@ -27,6 +27,7 @@ from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
 from . import decide, keep, outputs, rates
+from . import token_chunks as token_chunks_mod
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
 from .options import Options, parse_options
@@ -130,6 +131,12 @@ def _without_layers(cap) -> str:
             f"below that, hold the model's blocks in an nn.ModuleList (or call one block several times)")
 
 
+def _parameter_placeholders(gm: torch.fx.GraphModule, example_inputs) -> set[torch.fx.Node]:
+    """The placeholders of dynamo's graph that are the model's parameters."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {n for n, x in zip(placeholders, example_inputs) if isinstance(x, torch.nn.Parameter)}
+
+
 def _split_by_a_break(gm: torch.fx.GraphModule) -> bool:
     """Whether dynamo made `gm` from part of a frame: it ends at a graph break, or it is
     the resumed rest of a frame after one (dynamo's `torch_dynamo_resume_in_...`)."""
@@ -179,16 +186,17 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
                                      grad_slabs=opts.grad_slabs)
     sid = streamer_mod.register(streamer)
     dropped = outputs.drop_non_scalar_outputs(gm) if opts.outputs == "loss" else None
+    fuse, chunk = _may_fuse_loss_for_memory(gm, opts), opts.token_chunks is None
     # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
-    retry = _pristine_copy(gm) if _may_fuse_loss_for_memory(gm, opts) else None
+    retry = _pristine_copy(gm) if fuse or chunk else None
     try:
         compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or (),
-                                       times)
-    except InfeasibleBudget as unfused:
+                                       times, token_chunks=opts.token_chunks is True)
+    except (InfeasibleBudget, OffloadRoomExceeded) as first:
         if retry is None:
             raise
-        compiled, plan, cap = _compile_with_fused_loss(retry, example_inputs, opts, streamer, sid,
-                                                       unfused, times)
+        compiled, plan, cap = _compile_for_memory(retry, example_inputs, opts, streamer, sid, first,
+                                                  times, fuse, chunk)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
     with phase("homing", times):
@@ -225,34 +233,70 @@ def _pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return fresh
 
 
-def _compile_with_fused_loss(gm, example_inputs, opts: Options, streamer, sid,
-                             unfused: InfeasibleBudget, times: dict[str, float]):
-    """Plan the graph again with the fused linear-cross-entropy, which never materialises the
-    [tokens, vocab] logits, their fp32 upcast and their gradient: the loss region's backward
-    is where a long sequence's step peaks. This is for memory, not speed: the
-    fused loss is no faster than Inductor's code (fusions.DEFAULT's comment), so by the
-    kernel policy (fusions.py) it is off by default and used only when the budget needs it.
-    Raises the retry's InfeasibleBudget, saying the fused loss was already tried."""
+def _compile_for_memory(gm, example_inputs, opts: Options, streamer, sid, first: Exception,
+                        times: dict[str, float], fuse: bool, chunk: bool):
+    """The step did not fit (`first`): plan `gm` (a pristine copy) again with what saves
+    memory at some cost, the cheaper first. The fused linear-cross-entropy never
+    materialises the [tokens, vocab] logits, their fp32 upcast and their gradient, and is
+    about as fast as Inductor's code (fusions.DEFAULT's comment); token chunks keep one
+    chunk of an MLP's intermediates at a time, for one more forward of the MLP in the
+    backward. Neither is used where the step fits without it. Raises the last attempt's
+    error, saying what was already applied."""
+    error, applied = first, []
+    if fuse:
+        try:
+            result = _compile(_pristine_copy(gm) if chunk else gm, example_inputs, opts, streamer, sid,
+                              _FUSED_LOSS, times)
+            return _noted(result, first, "fused linear-cross-entropy", opts)
+        except (InfeasibleBudget, OffloadRoomExceeded) as e:
+            if not chunk:
+                raise _already(e, ["the fused linear-cross-entropy loss"], first) from None
+            error = e
+        applied.append("the fused linear-cross-entropy loss")
     try:
-        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS, times)
-    except InfeasibleBudget as e:
-        raise InfeasibleBudget(
-            f"{e} (this is with the fused linear-cross-entropy loss already applied, which never "
-            f"holds the [tokens, vocab] logits; without it the step needs {unfused.min_budget} bytes "
-            f"({format_bytes(unfused.min_budget)}))", e.min_budget) from None
+        result = _compile(gm, example_inputs, opts, streamer, sid, _FUSED_LOSS if fuse else (opts.kernels or ()),
+                          times, token_chunks=True, only_if_chunked=True)
+    except _NothingToChunk:
+        raise (_already(error, applied, first) if applied else error) from None
+    except (InfeasibleBudget, OffloadRoomExceeded) as e:
+        applied.append("token chunks (one chunk of each MLP's intermediates at a time)")
+        raise _already(e, applied, first) from None
+    return _noted(result, first, "token chunks" + (" and the fused linear-cross-entropy" if fuse else ""), opts)
+
+
+class _NothingToChunk(Exception):
+    """No module of the graph is token-wise and wide enough to gain from chunks."""
+
+
+def _already(e: Exception, applied: list[str], first: Exception) -> Exception:
+    """`e` again, saying what was applied and what the step needed without it."""
+    without = (f"; without it the step needs {first.min_budget} bytes ({format_bytes(first.min_budget)})"
+               if isinstance(first, InfeasibleBudget) and first is not e else "")
+    message = f"{e} (this is with {' and '.join(applied)} already applied{without})"
+    if isinstance(e, InfeasibleBudget):
+        return InfeasibleBudget(message, e.min_budget)
+    return type(e)(message)
+
+
+def _noted(result, first: Exception, what: str, opts: Options):
+    """`result` with the plan's note saying `what` was applied for memory, and why."""
+    compiled, plan, cap = result
+    need = (f"the leanest schedule peaks at {first.min_budget} bytes ({format_bytes(first.min_budget)}) "
+            f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})"
+            if isinstance(first, InfeasibleBudget) else str(first))
     plan.note = (
-        f"fused linear-cross-entropy applied for memory: without it the leanest schedule peaks at "
-        f"{unfused.min_budget} bytes ({format_bytes(unfused.min_budget)}) > gpu_memory={opts.gpu_memory} "
-        f"bytes ({format_bytes(opts.gpu_memory)}); with it the plan peaks at {plan.predicted_peak_bytes} "
-        f"bytes ({format_bytes(plan.predicted_peak_bytes)}). Not for speed: kernels are off by default "
-        f"(options['kernels']); pass kernels=False to forbid it")
+        f"{what} applied for memory: without it {need}; with it the plan peaks at "
+        f"{plan.predicted_peak_bytes} bytes ({format_bytes(plan.predicted_peak_bytes)}). Not for speed: "
+        f"megatrain applies it only where the step does not fit otherwise")
     return compiled, plan, cap
 
 
 def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[str, ...],
-             times: dict[str, float]):
-    """One attempt at the whole pipeline for `gm` (edited in place) with `kernels` swapped in:
-    (compiled callable, its GraphPlan, the capture). Raises InfeasibleBudget from the planner.
+             times: dict[str, float], token_chunks: bool = False, only_if_chunked: bool = False):
+    """One attempt at the whole pipeline for `gm` (edited in place) with `kernels` swapped in,
+    and with `token_chunks` its token-wise modules (compiler/token_chunks.py; with
+    `only_if_chunked`, _NothingToChunk where none qualifies): (compiled callable, its
+    GraphPlan, the capture). Raises InfeasibleBudget from the planner.
     Each phase's wall time goes into `times` (phases.py), which the plan keeps."""
     applied = ()
     if kernels:
@@ -260,6 +304,10 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
         counts = fusions.replace_kernel_patterns(gm, kernels)
         applied = tuple(name for name, n in counts.items() if n)
+    chunked = token_chunks_mod.chunk_token_wise_modules(gm, _parameter_placeholders(gm, example_inputs)) \
+        if token_chunks else 0
+    if only_if_chunked and not chunked:
+        raise _NothingToChunk()
     piece = _split_by_a_break(gm)
     cap = rehome(gm, example_inputs, opts.device, sid)
     retarget_weight_casts(cap.gm, cap.params, opts.compute_dtype, cap.regions.of_node)
@@ -270,7 +318,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         _check_region_budget(cap.regions.regions, cap.params, cap.region_params, opts)
 
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
-                     kernels=applied, compile_seconds=times)
+                     kernels=applied, compile_seconds=times, token_chunks=chunked)
 
     def transfers(fw, bw, problem=None):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""

@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..runtime.kernel_probe import KernelShape
+from . import token_chunks
 
 FUSED_LOSS = "megatrain::fused_linear_cross_entropy"  # by name: no Triton import here
 
@@ -48,6 +49,10 @@ def flops(n: fx.Node):
         return 0
     if t.name() == FUSED_LOSS:
         return _fused_loss_flops(n)
+    chunked = token_chunks.profile_of(n)
+    if chunked is not None:  # the forward, or the backward: one more forward, then twice its FLOPs
+        profile, tokens, _ = chunked
+        return (3 if t.name() == token_chunks.BACKWARD_OP else 1) * tokens * profile.flops_per_token
     formula = flop_registry.get(t.overloadpacket)
     vals = fx.node.map_aggregate((n.args, n.kwargs),
                                  lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
@@ -193,7 +198,18 @@ def traffic(nodes: list[fx.Node], owner: dict[fx.Node, int], device: torch.devic
         if n in owner and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
                 and n.target.name() == FUSED_LOSS:
             add(owner[n], _fused_loss_traffic(n, nbytes))
+        chunked = token_chunks.profile_of(n) if n in owner else None
+        if chunked is not None:
+            add(owner[n], _chunked_traffic(n, chunked))
     return out
+
+
+def _chunked_traffic(n: fx.Node, chunked):
+    """A token_chunks subgraph runs op by op, unfused: every intermediate is written and read
+    once per forward; the backward runs the forward again, then twice its traffic."""
+    profile, tokens, _ = chunked
+    passes = 3 if n.target.name() == token_chunks.BACKWARD_OP else 1
+    return passes * 2 * tokens * profile.bytes_per_token
 
 
 def _memory_bound(n: fx.Node) -> bool:

@@ -75,6 +75,7 @@ class Options:
     updates: str = "host"
     backlog: str | None = None
     offload: bool = True
+    token_chunks: bool | None = None  # None: only where the step does not fit otherwise
     # None: the planner's choice (compiler/keep.py); True/False: every region or none; or
     # the names of the regions that keep
     keep_activations: bool | frozenset[str] | None = None
@@ -186,6 +187,12 @@ def parse_options(options: dict | None) -> Options:
             f"megatrain's choice")
     offload = _flag(options, "offload", True, "boundary activations may wait in host memory "
                     "between the passes when the plan needs it")
+    token_chunks = options.get("token_chunks")
+    if token_chunks is not None and not isinstance(token_chunks, bool):
+        raise MegatrainValueError(
+            f"token_chunks={token_chunks!r}: give True (token-wise modules such as an MLP run a chunk "
+            f"of the sequence at a time), False (never), or None for megatrain's choice (only where "
+            f"the step does not fit otherwise)")
     keep_activations = _keep_activations(options.get("keep_activations"))
     grad_chunk = options.get("grad_chunk")
     if grad_chunk is not None:
@@ -213,7 +220,8 @@ def parse_options(options: dict | None) -> Options:
     return Options(device=device, gpu_memory=gpu_memory, precision=precision, host_memory=host_memory,
                    outputs=outputs,
                    prefetch=prefetch, lowering=lowering, kernels=kernels, updates=updates,
-                   backlog=backlog, offload=offload, keep_activations=keep_activations,
+                   backlog=backlog, offload=offload, token_chunks=token_chunks,
+                   keep_activations=keep_activations,
                    grad_chunk=grad_chunk, grad_slabs=grad_slabs,
                    keep_weights=keep_weights, weight_shadow=weight_shadow)
 

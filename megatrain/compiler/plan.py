@@ -29,6 +29,8 @@ class GraphPlan:
     # when megatrain chose them itself (the fused loss applied because the budget needed it).
     kernels: tuple[str, ...] = ()
     note: str = ""
+    # Token-wise modules swapped for megatrain::token_chunks (compiler/token_chunks.py).
+    token_chunks: int = 0
     # Every decision the runtime was built from (plan/step_plan.py); the properties below
     # that describe decisions read it, so explain and the runtime cannot disagree.
     step_plan: StepPlan | None = None

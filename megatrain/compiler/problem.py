@@ -43,7 +43,7 @@ from ..memory.layout import ALIGN_ELEMENTS
 from ..plan.events import RegionUse
 from ..plan.problem import Problem, RegionSpec, Weight
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
-from . import ops
+from . import ops, token_chunks
 from .merges import Merge
 from .op_costs import FUSED_LOSS as _FUSED_LOSS
 from .op_costs import flops as _flops
@@ -540,15 +540,37 @@ class _Sizes:
     def scratch(self, n: fx.Node):
         """Bytes `n` allocates and frees inside itself, invisible in the graph: the fused
         linear-cross-entropy's chunk of logits ([min(chunk, tokens), vocab] in the hidden
-        states' dtype) and its per-token fp32 losses (kernels/fused_linear_cross_entropy.py)."""
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
-                or n.target.name() != _FUSED_LOSS:
+        states' dtype) and its per-token fp32 losses (kernels/fused_linear_cross_entropy.py);
+        a token_chunks subgraph's intermediates for one chunk (runtime/token_chunks.py)."""
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            return sympy.Integer(0)
+        chunked = token_chunks.profile_of(n)
+        if chunked is not None:
+            return self._chunk_scratch(n, *chunked)
+        if n.target.name() != _FUSED_LOSS:
             return sympy.Integer(0)
         hidden, weight, chunk = n.args[0].meta["val"], n.args[1].meta["val"], n.args[5]
         if hidden.device.type != self.device.type:
             return sympy.Integer(0)
         tokens, vocab = self.expr(hidden.shape[0]), self.expr(weight.shape[0])
         return sympy.Min(int(chunk), tokens) * vocab * hidden.element_size() + tokens * 4
+
+    def _chunk_scratch(self, n: fx.Node, profile, tokens, chunk: int):
+        """One chunk's intermediates in the forward; in the backward, those recomputed with
+        autograd's saved copies and their gradients (twice), the parameters' fp32 running
+        sums and one chunk's parameter gradients."""
+        rows = sympy.Min(chunk, self.expr(tokens)) * profile.bytes_per_token
+        if n.target.name() != token_chunks.BACKWARD_OP:
+            return rows
+        params = [p.meta["val"] for p in n.args[2]]
+        sums = sum(self._numel(p.shape) * (4 + p.element_size()) for p in params)
+        return 2 * rows + sums
+
+    def _numel(self, shape):
+        out = sympy.Integer(1)
+        for s in shape:
+            out *= self.expr(s)
+        return out
 
     def scratch_hint(self, n: fx.Node) -> int:
         v = self.scratch(n)

@@ -165,12 +165,14 @@ def _stop_after_planning(sites: bool = False, rates=None):
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
             keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
-            rates=None, host_memory: str | None = None):
+            rates=None, host_memory: str | None = None, token_chunks: bool = False):
     """(StepSchedule, None, UpdateSites or None), or (None, the planner's error, None).
     With `updates`, a megatrain.AdamW owns the parameters (update sites are chosen only for
     the gradients handed to it), and the preview stops once the backend chose them.
     `host_memory`: the host budget of the machine planned for (the keep chooser refuses
-    mixes whose offloads it cannot hold); None: unbounded, not this machine's RAM."""
+    mixes whose offloads it cannot hold); None: unbounded, not this machine's RAM.
+    `token_chunks`: the MLPs run a chunk of the sequence at a time (what the backend falls
+    back to after the fused loss; the preview stops at the first plan, so it is forced)."""
     import megatrain
     from megatrain.compiler import options as options_mod
     from megatrain.compiler.options import parse_bytes
@@ -189,6 +191,7 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     # probe_rates off: this machine's kernels say nothing of the GPU the plan is for (a
     # GPU row's own kernel rates are not recorded, so its products go at its matmul rate)
     forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
+              "token_chunks": token_chunks,
               **({"kernels": kernels.split(",")} if kernels else {}), **({"updates": updates} if updates else {})}
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
     budget = None if host_memory is None else parse_bytes(host_memory, "host_memory")
@@ -230,15 +233,20 @@ def main(argv=None) -> int:
                         "(its planned_rates), inline or in a file")
     p.add_argument("--host-memory", default=None,
                    help="the host budget of the machine planned for, e.g. 78GiB (default: unbounded)")
+    p.add_argument("--token-chunks", action="store_true",
+                   help="the MLPs run a chunk of the sequence at a time (the backend's fallback "
+                        "after the fused loss)")
     args = p.parse_args(argv)
     schedule, error, sites = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
                                      args.keep_weights, args.kernels, args.updates, _rates(args.rates),
-                                     args.host_memory)
+                                     args.host_memory, args.token_chunks)
     if error is not None:
         print(f"no plan: {error}")
         if not args.kernels:
             print("(on CUDA the backend then plans again with the fused linear-cross-entropy loss: "
                   "preview that with --kernels linear_cross_entropy)")
+        elif not args.token_chunks:
+            print("(the backend then plans again with token chunks: preview that with --token-chunks)")
         return 1
     plan = schedule.plan
     print(f"{args.model} layers={args.layers or 'preset'} tokens={args.tokens} gpu_memory={args.gpu_memory}: "

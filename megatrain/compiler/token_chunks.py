@@ -208,6 +208,21 @@ def _modules(gm: fx.GraphModule) -> list[str]:
     return sorted(seen, key=lambda p: (seen[p], p))
 
 
+def _with_its_feeder(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order: dict) -> _Module:
+    """`m` and the module that computes its input for it alone, where the two together are
+    still token-wise of one input (the norm before an MLP: its fp32 intermediates are as
+    wide as the hidden states, and chunked with the MLP they never exist whole); else `m`."""
+    x = m.inputs[0]
+    stack = _stack(x) if x.op in ("call_function", "call_method") else []
+    if not stack or not set(x.users) <= set(m.nodes):
+        return m
+    feeder = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and stack[-1] in _stack(n)]
+    if set(feeder) & set(m.nodes):  # x's module holds m (x is computed inside the layer holding it)
+        return m
+    merged = _Module(sorted(feeder + m.nodes, key=order.__getitem__), params)
+    return merged if merged.subgraph_of_one_input() and merged.token_wise() else m
+
+
 def chunk_token_wise_modules(gm: fx.GraphModule, params: set[fx.Node]) -> int:
     """Swap every token-wise module of dynamo's graph `gm` whose step would hold less for
     `megatrain::token_chunks`, in place; the count swapped. `params`: the placeholders
@@ -221,6 +236,8 @@ def chunk_token_wise_modules(gm: fx.GraphModule, params: set[fx.Node]) -> int:
         m = _Module(nodes, params)
         if not (m.subgraph_of_one_input() and m.token_wise() and m.expands()):
             continue
+        m = _with_its_feeder(gm, m, params, order)
+        nodes = m.nodes
         x = _val(m.inputs[0])
         profile = _profile(m)
         tokens = _hint(_tokens(x))

@@ -57,16 +57,18 @@ def _swapped(model, loss_of, seq):
 
 @BUILDS
 def test_the_pass_swaps_each_mlp_and_nothing_that_mixes_tokens(build):
-    """Each layer's MLP (wider than the hidden states) is swapped, whatever the model calls
-    it; attention (rows mix), the norms (nothing wider) and the lm_head (its output is the
-    only wide tensor, kept whole anyway) are not."""
+    """Each layer's MLP (wider than the hidden states) is swapped with the norm that feeds
+    it alone, whatever the model calls them; attention (rows mix), the other norms (nothing
+    wider) and the lm_head (its output is the only wide tensor, kept whole anyway) are not."""
     model, loss_of = build(2048)
     found = _swapped(model, loss_of, 2048)
     assert len(found) == 2, found
     for x, params, key, chunk in found:
         code = op._SUBGRAPHS[key].code
         assert "linear" in code and "silu" in code and "scaled_dot_product" not in code, code
-        assert sorted(tuple(p.meta["example_value"].shape) for p in params) == [(32, 256)] + [(256, 32)] * 2
+        # the MLP's three projections and the norm that feeds it alone
+        assert sorted(tuple(p.meta["example_value"].shape) for p in params) == [(32,), (32, 256)] + [(256, 32)] * 2
+        assert "rsqrt" in code
         assert 256 <= chunk < 2048 and chunk % 256 == 0
 
 

@@ -113,13 +113,18 @@ class _Module:
         self.used_params = sorted((a for a in ext if a in params), key=lambda p: p.name)
         self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
 
-    def subgraph_of_one_input(self) -> bool:
-        if len(self.inputs) != 1 or len(self.outputs) != 1:
+    def of_one_input(self) -> bool:
+        """One activation input, and outputs that keep its token dims."""
+        if len(self.inputs) != 1 or not self.outputs:
             return False
-        x, y = _val(self.inputs[0]), _val(self.outputs[0])
-        if x is None or y is None or x.dim() < 2 or y.dim() != x.dim() or free_unbacked_symbols(x.shape):
+        x = _val(self.inputs[0])
+        if x is None or x.dim() < 2 or free_unbacked_symbols(x.shape):
             return False
-        return all(_same(a, b) for a, b in zip(x.shape[:-1], y.shape[:-1]))
+        for out in self.outputs:
+            y = _val(out)
+            if y is None or y.dim() != x.dim() or not all(_same(a, b) for a, b in zip(x.shape[:-1], y.shape[:-1])):
+                return False
+        return True
 
     def token_wise(self) -> bool:
         x = _val(self.inputs[0])
@@ -153,11 +158,18 @@ class _Module:
                    for a in list(n.args) + list(n.kwargs.values()))
 
     def expands(self) -> bool:
-        """Whether a linear inside it (not its output: that is kept whole anyway) is wider
+        """Whether a linear inside it (not an output: those are kept whole anyway) is wider
         than its input: the intermediates chunking saves."""
         width = _val(self.inputs[0]).shape[-1]
-        return any(n.op == "call_function" and n.target in _LINEAR and n is not self.outputs[0]
+        return any(n.op == "call_function" and n.target in _LINEAR and n not in self.outputs
                    and not statically_known_true(_val(n).shape[-1] <= width) for n in self.nodes)
+
+    def widens(self) -> bool:
+        """Whether its intermediates hold at least twice its input's bytes per token (a norm
+        that computes in fp32 from bf16 hidden states)."""
+        x = _val(self.inputs[0])
+        per_token = sum(_val(n).shape[-1] * _val(n).element_size() for n in self.nodes if n not in self.outputs)
+        return not statically_known_true(per_token < 2 * x.shape[-1] * x.element_size())
 
 
 def _hint(x) -> int:
@@ -170,7 +182,7 @@ def _profile(m: _Module) -> Profile:
     nbytes = 0
     for n in m.nodes:
         v = _val(n)
-        if n is not m.outputs[0]:
+        if n not in m.outputs:
             nbytes += _hint(v.numel()) * v.element_size()
         if n.op == "call_function" and n.target in _LINEAR:
             w = _val(n.args[1] if len(n.args) > 1 else n.kwargs["weight"])
@@ -187,7 +199,7 @@ def chunk_tokens(tokens: int, x_bytes_per_token: int, profile: Profile) -> int:
 
 
 def _extract(m: _Module) -> fx.GraphModule:
-    """The module's nodes as a GraphModule of (input, *parameters) -> output."""
+    """The module's nodes as a GraphModule of (input, *parameters) -> [outputs]."""
     g = fx.Graph()
     env = {m.inputs[0]: g.placeholder("x")}
     for i, p in enumerate(m.used_params):
@@ -195,7 +207,7 @@ def _extract(m: _Module) -> fx.GraphModule:
     for n in m.nodes:
         env[n] = g.node_copy(n, env.__getitem__)
         env[n].meta = {}
-    g.output(env[m.outputs[0]])
+    g.output([env[out] for out in m.outputs])
     return fx.GraphModule(torch.nn.Module(), g)
 
 
@@ -208,6 +220,10 @@ def _modules(gm: fx.GraphModule) -> list[str]:
     return sorted(seen, key=lambda p: (seen[p], p))
 
 
+def _nodes_of(gm: fx.GraphModule, path: str) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and path in _stack(n)]
+
+
 def _with_its_feeder(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order: dict) -> _Module:
     """`m` and the module that computes its input for it alone, where the two together are
     still token-wise of one input (the norm before an MLP: its fp32 intermediates are as
@@ -216,43 +232,75 @@ def _with_its_feeder(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order
     stack = _stack(x) if x.op in ("call_function", "call_method") else []
     if not stack or not set(x.users) <= set(m.nodes):
         return m
-    feeder = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and stack[-1] in _stack(n)]
+    feeder = _nodes_of(gm, stack[-1])
     if set(feeder) & set(m.nodes):  # x's module holds m (x is computed inside the layer holding it)
         return m
     merged = _Module(sorted(feeder + m.nodes, key=order.__getitem__), params)
-    return merged if merged.subgraph_of_one_input() and merged.token_wise() else m
+    return merged if merged.of_one_input() and len(merged.outputs) == 1 and merged.token_wise() else m
+
+
+def _with_its_readers(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order: dict) -> _Module:
+    """`m` (of one output) and every module that reads its output, where each reads
+    nothing else and all together are token-wise of one input (the norm before attention
+    and the q, k, v projections that read it: the normed states then never exist whole,
+    and q, k, v come out of one op); else `m`."""
+    (y,) = m.outputs
+    merged = list(m.nodes)
+    for user in y.users:
+        stack = _stack(user)
+        if not stack or user in m.nodes:
+            return m
+        reader = _nodes_of(gm, stack[-1])
+        if set(reader) & set(m.nodes):  # y's reader holds m: nothing to take in
+            return m
+        merged += [n for n in reader if n not in merged]
+    wider = _Module(sorted(merged, key=order.__getitem__), params)
+    return wider if wider.of_one_input() and wider.token_wise() else m
+
+
+def _swap(gm: fx.GraphModule, m: _Module, order: dict, chunk: int) -> None:
+    """Replace `m`'s nodes in `gm` by one token_chunks call and a getitem per output."""
+    key = op.register(_extract(m))
+    PROFILES[key] = _profile(m)
+    first = min(m.nodes, key=order.__getitem__)
+    with gm.graph.inserting_before(first):
+        call = gm.graph.call_function(op.run_in_chunks, (m.inputs[0], list(m.used_params), key, chunk))
+        call.meta = dict(m.outputs[0].meta)
+        call.meta["example_value"] = [_val(out) for out in m.outputs]
+        for i, out in enumerate(m.outputs):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+            item.meta = dict(out.meta)
+            out.replace_all_uses_with(item)
+    for n in sorted(m.nodes, key=order.__getitem__, reverse=True):
+        gm.graph.erase_node(n)
 
 
 def chunk_token_wise_modules(gm: fx.GraphModule, params: set[fx.Node]) -> int:
-    """Swap every token-wise module of dynamo's graph `gm` whose step would hold less for
-    `megatrain::token_chunks`, in place; the count swapped. `params`: the placeholders
-    that are the model's parameters."""
+    """Swap every token-wise module of dynamo's graph `gm` whose intermediates outgrow
+    its input (an MLP with the norm that feeds it; a norm computing in fp32 with the
+    projections that read it) for `megatrain::token_chunks`, in place; the count swapped.
+    `params`: the placeholders that are the model's parameters."""
     count = 0
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for path in _modules(gm):  # a swapped module's own modules have no nodes left
-        nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and path in _stack(n)]
+        nodes = _nodes_of(gm, path)
         if not nodes:
             continue
         m = _Module(nodes, params)
-        if not (m.subgraph_of_one_input() and m.token_wise() and m.expands()):
+        if not (m.of_one_input() and m.token_wise()):
             continue
-        m = _with_its_feeder(gm, m, params, order)
-        nodes = m.nodes
+        if m.expands():
+            m = _with_its_feeder(gm, m, params, order)
+        elif len(m.outputs) == 1 and m.widens():
+            m = _with_its_readers(gm, m, params, order)
+        else:
+            continue
         x = _val(m.inputs[0])
-        profile = _profile(m)
         tokens = _hint(_tokens(x))
-        chunk = chunk_tokens(tokens, x.shape[-1] * x.element_size(), profile)
+        chunk = chunk_tokens(tokens, x.shape[-1] * x.element_size(), _profile(m))
         if chunk >= tokens:
             continue
-        key = op.register(_extract(m))
-        PROFILES[key] = profile
-        out = m.outputs[0]
-        with gm.graph.inserting_before(out):
-            new = gm.graph.call_function(op.run_in_chunks, (m.inputs[0], list(m.used_params), key, chunk))
-        new.meta = dict(out.meta)
-        out.replace_all_uses_with(new)
-        for n in sorted(nodes, key=order.__getitem__, reverse=True):
-            gm.graph.erase_node(n)
+        _swap(gm, m, order, chunk)
         count += 1
     if count:
         gm.graph.lint()

@@ -86,7 +86,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
         else torch.autocast(device.type, enabled=False)
 
 
-def run_in_chunks(x: torch.Tensor, params: list[torch.Tensor], key: str, chunk: int) -> torch.Tensor:
+def run_in_chunks(x: torch.Tensor, params: list[torch.Tensor], key: str, chunk: int) -> list[torch.Tensor]:
     """What the pass's node calls: `token_chunks` under the autocast of the trace (read
     here, while AOTAutograd traces, and handed to the op, whose kernel runs outside it)."""
     device = x.device.type
@@ -94,39 +94,45 @@ def run_in_chunks(x: torch.Tensor, params: list[torch.Tensor], key: str, chunk: 
     return token_chunks(x, params, key, chunk, dtype)
 
 
+def _outputs(y) -> tuple[torch.Tensor, ...]:
+    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
+
+
 @torch.library.custom_op("megatrain::token_chunks", mutates_args=())
 def token_chunks(x: torch.Tensor, params: list[torch.Tensor], key: str, chunk: int,
-                 autocast: torch.dtype | None) -> torch.Tensor:
-    """The subgraph `key` on `x`'s tokens, `chunk` at a time (same result as one call),
-    under `autocast` (a dtype, or None: off)."""
+                 autocast: torch.dtype | None) -> list[torch.Tensor]:
+    """The subgraph `key`'s outputs on `x`'s tokens, `chunk` at a time (the same as one
+    call), under `autocast` (a dtype, or None: off)."""
     gm = _subgraph(key)
     rows = _rows(x)
     tokens = rows.shape[-2]
-    out = None
+    outs = None
     with torch.no_grad(), _autocast(x.device, autocast):
         for start, end in _spans(tokens, chunk):
-            y = gm(rows[..., start:end, :], *params)
-            if out is None:
-                out = y.new_empty(*y.shape[:-2], tokens, y.shape[-1])
-            out[..., start:end, :] = y
-        if out is None:  # no tokens: the subgraph on none of them gives the output's width
-            out = gm(rows, *params)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+            ys = _outputs(gm(rows[..., start:end, :], *params))
+            if outs is None:
+                outs = [y.new_empty(*y.shape[:-2], tokens, y.shape[-1]) for y in ys]
+            for out, y in zip(outs, ys):
+                out[..., start:end, :] = y
+        if outs is None:  # no tokens: the subgraph on none of them gives the outputs' widths
+            outs = list(_outputs(gm(rows, *params)))
+    return [out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
 @token_chunks.register_fake
 def _(x, params, key, chunk, autocast):
     with _autocast(x.device, autocast):
-        return _subgraph(key)(x, *params)
+        return list(_outputs(_subgraph(key)(x, *params)))
 
 
 @torch.library.custom_op("megatrain::token_chunks_backward", mutates_args=())
-def token_chunks_backward(grad: torch.Tensor, x: torch.Tensor, params: list[torch.Tensor], key: str,
+def token_chunks_backward(grads: list[torch.Tensor], x: torch.Tensor, params: list[torch.Tensor], key: str,
                           chunk: int, autocast: torch.dtype | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """d loss / d x and d loss / d params of `token_chunks`, recomputing one chunk's forward
-    at a time. Parameter gradients sum over the chunks in fp32 (or their own dtype, if wider)."""
+    """d loss / d x and d loss / d params of `token_chunks` given its outputs' gradients,
+    recomputing one chunk's forward at a time. Parameter gradients sum over the chunks in
+    fp32 (or their own dtype, if wider)."""
     gm = _subgraph(key)
-    rows, grad_rows = _rows(x), _rows(grad)
+    rows, grad_rows = _rows(x), [_rows(g) for g in grads]
     tokens = rows.shape[-2]
     grad_x = torch.empty_like(rows)
     sums = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=p.device)
@@ -135,18 +141,18 @@ def token_chunks_backward(grad: torch.Tensor, x: torch.Tensor, params: list[torc
         leaves = [p.detach().requires_grad_() for p in params]
         for start, end in _spans(tokens, chunk):
             xc = rows[..., start:end, :].detach().requires_grad_()
-            y = gm(xc, *leaves)
-            grad_xc, *grads = torch.autograd.grad(y, [xc, *leaves], grad_rows[..., start:end, :],
-                                                  allow_unused=True)
+            ys = _outputs(gm(xc, *leaves))
+            grad_xc, *pieces = torch.autograd.grad(ys, [xc, *leaves], [g[..., start:end, :] for g in grad_rows],
+                                                   allow_unused=True)
             grad_x[..., start:end, :] = grad_xc
-            for total, g in zip(sums, grads):
+            for total, g in zip(sums, pieces):
                 if g is not None:
                     total += g
     return grad_x.reshape(x.shape), [s.to(p.dtype) for s, p in zip(sums, params)]
 
 
 @token_chunks_backward.register_fake
-def _(grad, x, params, key, chunk, autocast):
+def _(grads, x, params, key, chunk, autocast):
     return torch.empty_like(x), [torch.empty_like(p) for p in params]
 
 
@@ -154,21 +160,24 @@ def _setup_context(ctx, inputs, output):
     x, params, key, chunk, autocast = inputs
     ctx.save_for_backward(x, *params)
     ctx.key, ctx.chunk, ctx.autocast = key, chunk, autocast
+    ctx.shapes = [(o.shape, o.dtype) for o in output]
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grads):
     x, *params = ctx.saved_tensors
-    grad_x, grad_params = token_chunks_backward(grad.contiguous(), x, params, ctx.key, ctx.chunk,
-                                                ctx.autocast)
+    # an output the loss does not reach has no gradient: zeros stand in
+    grads = [g.contiguous() if g is not None else x.new_zeros(shape, dtype=dtype)
+             for g, (shape, dtype) in zip(grads, ctx.shapes)]
+    grad_x, grad_params = token_chunks_backward(grads, x, params, ctx.key, ctx.chunk, ctx.autocast)
     return grad_x, grad_params, None, None, None
 
 
 token_chunks.register_autograd(_backward, setup_context=_setup_context)
 
 
-def reference(gm: fx.GraphModule, x: torch.Tensor, params) -> torch.Tensor:
+def reference(gm: fx.GraphModule, x: torch.Tensor, params) -> list[torch.Tensor]:
     """What `token_chunks` computes: the subgraph on every token at once."""
-    return gm(x, *params)
+    return list(_outputs(gm(x, *params)))
 
 
 __all__ = ["reference", "register", "run_in_chunks", "token_chunks", "token_chunks_backward"]

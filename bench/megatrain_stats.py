@@ -39,6 +39,11 @@ def _megatrain_stats(step_fn) -> dict:
             # (compiler/keep.py), and the bytes every saved activation takes
             "activations_kept": sum(len(g.kept_regions) for g in plan.graphs),
             "saved_activation_bytes": sum(g.saved_activation_bytes for g in plan.graphs),
+            # what megatrain applied for memory (the fused loss, token chunks) and why
+            "applied_kernels": sorted({k for g in plan.graphs for k in g.kernels}),
+            "token_chunks": sum(g.token_chunks for g in plan.graphs),
+            "plan_notes": plan.notes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
             # what the GPU waits for in the predicted step, largest first (plan/waits.py),
             # beside the measured stalls below
             "predicted_waits": [{"s": round(w.seconds, 5), "reason": w.reason, "region": w.region}

@@ -9,12 +9,14 @@ be swapped for `megatrain::token_chunks` (runtime/token_chunks.py), which keeps 
 chunk's intermediates at a time and recomputes them in the backward.
 
 Runs on dynamo's graph before capture, like the kernel swaps (fusions.py): the new node is
-an ordinary call_function that regions, AOTAutograd and the planner see like any op. It
-is chosen per module of the model (nn_module_stack), outermost first, so a model's MLP is
-found whatever it is named: an attention module fails the test (its rows mix), a norm has
-no expanding linear (nothing to gain), an MLP passes. The backend applies it only when a
-step does not fit otherwise (backend.py), since the backward then runs the module's
-forward once more.
+an ordinary call_function (and a getitem per output) that regions, AOTAutograd and the
+planner see like any op. Groups are chosen per module of the model (nn_module_stack),
+outermost first, by what their ops do, never by name: an attention module fails the test
+(its rows mix); an MLP passes (a linear wider than its input), taking in the norm that
+feeds it alone; a norm computing in fp32 (intermediates twice its input's bytes) passes,
+taking in the modules that read it alone (the attention's q, k, v projections, the
+lm_head). The backend applies chunks only when a step does not fit otherwise
+(backend.py), since the backward then runs each group's forward once more.
 
 `PROFILES` keeps what the planner needs of each swapped subgraph: its matmul FLOPs per
 token and its intermediates' bytes per token (op_costs.py, problem.py).

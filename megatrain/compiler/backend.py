@@ -246,7 +246,7 @@ def _compile_for_memory(gm, example_inputs, opts: Options, streamer, sid, first:
     if fuse:
         try:
             result = _compile(_pristine_copy(gm) if chunk else gm, example_inputs, opts, streamer, sid,
-                              _FUSED_LOSS, times)
+                              _FUSED_LOSS, times, token_chunks=opts.token_chunks is True)
             return _noted(result, first, "fused linear-cross-entropy", opts)
         except (InfeasibleBudget, OffloadRoomExceeded) as e:
             if not chunk:

@@ -221,3 +221,41 @@ def test_no_chunks_where_the_step_fits():
     loss_of(step, ids, ids).backward()
     graph = megatrain.explain(step).graphs[0]
     assert graph.token_chunks == 0 and graph.note == "" and "token_chunks" not in graph.code
+
+
+def test_the_fused_loss_comes_first_then_chunks_beside_it():
+    """A vocabulary wide enough that the loss region also binds: between the leanest plans
+    with the fused loss alone and with chunks beside it, the backend applies both (the
+    fused loss first: it costs nothing), says so, and trains like eager fp32."""
+    from megatrain.plan.search import InfeasibleBudget
+
+    seq, vocab = 2048, 512
+    cfg = LlamaConfig(vocab_size=vocab, hidden=32, layers=2, heads=4, kv_heads=2, ffn=256,
+                      rope_theta=10000.0, max_seq=seq)
+    ids, labels = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))
+    least = {}
+    for chunks in (False, True):
+        torch._dynamo.reset()
+        step = compile_streamed(Llama(cfg), {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                             "gpu_memory": 1 << 18, "token_chunks": chunks,
+                                             "kernels": ["linear_cross_entropy"]})
+        with pytest.raises(InfeasibleBudget) as info:
+            step(ids, labels=labels)
+        least[chunks] = info.value.min_budget
+    assert least[True] < least[False]
+    torch.manual_seed(random.randint(0, 10**6))
+    model = Llama(cfg)
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
+                                    "gpu_memory": (least[True] + least[False]) // 2})
+    loss = step(ids, labels=labels)
+    loss.backward()
+    loss_ref = ref(ids, labels=labels)
+    loss_ref.backward()
+    assert abs(loss.item() - loss_ref.item()) <= 1e-5 * abs(loss_ref.item())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    graph = megatrain.explain(step).graphs[0]
+    assert graph.kernels == ("linear_cross_entropy",) and graph.token_chunks > 0
+    assert graph.note.startswith("token chunks and the fused linear-cross-entropy applied for memory"), graph.note

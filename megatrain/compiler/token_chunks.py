@@ -109,7 +109,7 @@ class _Module:
 
     def __init__(self, nodes: list[fx.Node], params: set[fx.Node]):
         self.nodes, self.params = nodes, params
-        inside = set(nodes)
+        inside = self._inside = set(nodes)
         ext = {a for n in nodes for a in n.all_input_nodes if a not in inside}
         self.inputs = [a for a in ext if a not in params]
         self.used_params = sorted((a for a in ext if a in params), key=lambda p: p.name)
@@ -133,11 +133,25 @@ class _Module:
         rows, rank = x.shape[:-1], x.dim()
         for n in self.nodes:
             v = _val(n)
-            if v is None or v.dim() != rank or not all(_same(a, b) for a, b in zip(v.shape[:-1], rows)):
+            if v is None:
+                return False
+            if self._per_feature(n):  # computed from parameters alone, like Gemma's 1 + w
+                if v.dim() > 1 or not self._row_local(n, rank):
+                    return False
+                continue
+            if v.dim() != rank or not all(_same(a, b) for a, b in zip(v.shape[:-1], rows)):
                 return False
             if not self._row_local(n, rank):
                 return False
         return True
+
+    def _per_feature(self, n: fx.Node) -> bool:
+        """Whether `n` reads only parameters (and such nodes): a vector over the features."""
+        seen = self.__dict__.setdefault("_per_feature_memo", {})
+        if n not in seen:
+            seen[n] = bool(n.all_input_nodes) and all(
+                a in self.params or (a in self._inside and self._per_feature(a)) for a in n.all_input_nodes)
+        return seen[n]
 
     def _row_local(self, n: fx.Node, rank: int) -> bool:
         if n.op == "call_function" and n.target in _LINEAR:
@@ -152,9 +166,10 @@ class _Module:
             return True
         else:
             return False
-        # an operand is a row of the input's rows, a per-feature parameter or a number
+        # an operand is a row of the input's rows, a per-feature vector or a number
         for a in n.all_input_nodes:
-            if a in self.params and _val(a) is not None and _val(a).dim() > 1:
+            if (a in self.params or (a in self._inside and self._per_feature(a))) and \
+                    _val(a) is not None and _val(a).dim() > 1:
                 return False
         return all(isinstance(a, (fx.Node, int, float, bool, torch.dtype, str, type(None)))
                    for a in list(n.args) + list(n.kwargs.values()))

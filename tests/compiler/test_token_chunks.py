@@ -34,6 +34,8 @@ def _hf_llama(seq, ffn=256):
     return model, lambda m, ids, labels: m(input_ids=ids, labels=labels).loss
 
 
+# One sequence of this many tokens: four chunks of the pass's least chunk.
+SEQ = 4 * pass_mod.MIN_CHUNK
 BUILDS = pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own_llama", "hf_llama"])
 
 
@@ -61,8 +63,8 @@ def test_the_pass_swaps_each_mlp_and_each_norms_readers_and_nothing_that_mixes_t
     and the attention's norm (fp32 inside) with the q, k, v projections that read it, are
     swapped, whatever the model calls them; the final norm too. Attention itself (rows
     mix) is not."""
-    model, loss_of = build(2048)
-    found = _swapped(model, loss_of, 2048)
+    model, loss_of = build(SEQ)
+    found = _swapped(model, loss_of, SEQ)
     codes = {key: op._SUBGRAPHS[key].code for _, _, key, _ in found}
     assert not any("scaled_dot_product" in c for c in codes.values())
     mlps = [(params, chunk) for _, params, key, chunk in found if "silu" in codes[key]]
@@ -70,7 +72,7 @@ def test_the_pass_swaps_each_mlp_and_each_norms_readers_and_nothing_that_mixes_t
     assert len(mlps) == 2 and len(qkv) == 2, codes
     for params, chunk in mlps:  # the three projections and the norm that feeds them alone
         assert sorted(tuple(p.meta["example_value"].shape) for p in params) == [(32,), (32, 256)] + [(256, 32)] * 2
-        assert 256 <= chunk < 2048 and chunk % 256 == 0
+        assert pass_mod.MIN_CHUNK <= chunk < SEQ and chunk % pass_mod.MIN_CHUNK == 0
     for params in qkv:  # the norm and q (4 heads of 8), k and v (2 heads each)
         assert sorted(tuple(p.meta["example_value"].shape) for p in params) == [(16, 32)] * 2 + [(32,), (32, 32)]
     for x, params, key, chunk in found:
@@ -170,7 +172,7 @@ def test_a_step_that_fits_only_with_chunks_gets_them_and_trains_like_eager(build
     """A budget between the leanest plans with and without chunks: megatrain applies them
     itself, says so, plans within the budget, measures within the plan, and the loss and
     gradients match eager fp32 (1e-5); three AdamW steps keep the parameters within 1e-3."""
-    seq = 2048
+    seq = SEQ
     unchunked, chunked = _least_budget(build, seq, False), _least_budget(build, seq, True)
     assert chunked < unchunked
     budget = (chunked + unchunked) // 2
@@ -213,11 +215,11 @@ def test_a_step_that_fits_only_with_chunks_gets_them_and_trains_like_eager(build
 
 def test_no_chunks_where_the_step_fits():
     torch.manual_seed(0)
-    model, loss_of = _own_llama(2048)
+    model, loss_of = _own_llama(SEQ)
     torch._dynamo.reset()
     step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "lowering": "eager",
                                     "gpu_memory": 1 << 30})
-    ids = torch.randint(0, 128, (1, 2048))
+    ids = torch.randint(0, 128, (1, SEQ))
     loss_of(step, ids, ids).backward()
     graph = megatrain.explain(step).graphs[0]
     assert graph.token_chunks == 0 and graph.note == "" and "token_chunks" not in graph.code
@@ -229,7 +231,7 @@ def test_the_fused_loss_comes_first_then_chunks_beside_it():
     fused loss first: it costs nothing), says so, and trains like eager fp32."""
     from megatrain.plan.search import InfeasibleBudget
 
-    seq, vocab = 2048, 512
+    seq, vocab = SEQ, 256
     cfg = LlamaConfig(vocab_size=vocab, hidden=32, layers=2, heads=4, kv_heads=2, ffn=256,
                       rope_theta=10000.0, max_seq=seq)
     ids, labels = torch.randint(0, vocab, (1, seq)), torch.randint(0, vocab, (1, seq))

@@ -525,10 +525,7 @@ class _Sizes:
     def bytes(self, n: fx.Node):
         total = sympy.Integer(0)
         for x in self._tensors(n):
-            numel = sympy.Integer(1)
-            for s in x.shape:
-                numel *= self.expr(s)
-            total += numel * self._itemsize(n, x) + self._rounding
+            total += self._numel(x.shape) * self._itemsize(n, x) + self._rounding
         return total
 
     def hint(self, n: fx.Node) -> int:

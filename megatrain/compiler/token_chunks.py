@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from ..runtime import token_chunks as op
+from .sizes import hint, tensor_nbytes
 
 OP = "megatrain::token_chunks"
 BACKWARD_OP = "megatrain::token_chunks_backward"
@@ -104,16 +105,23 @@ def _reduces_last(n: fx.Node, rank: int) -> bool:
         set(n.kwargs) <= {"dim", "keepdim"}
 
 
-class _Module:
-    """One module's nodes and whether they form a token-wise subgraph of one input."""
+class _Group:
+    """Nodes of one module (or of a module and those it feeds or is fed by alone), in graph
+    order, and whether they form a token-wise subgraph of one input."""
 
     def __init__(self, nodes: list[fx.Node], params: set[fx.Node]):
         self.nodes, self.params = nodes, params
-        inside = self._inside = set(nodes)
+        inside = set(nodes)
         ext = {a for n in nodes for a in n.all_input_nodes if a not in inside}
         self.inputs = [a for a in ext if a not in params]
         self.used_params = sorted((a for a in ext if a in params), key=lambda p: p.name)
         self.outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        # nodes that read only parameters (and such nodes): vectors over the features,
+        # like Gemma's 1 + w (graph order: a node's inputs come before it)
+        self.per_feature: set[fx.Node] = set()
+        for n in nodes:
+            if n.all_input_nodes and all(a in params or a in self.per_feature for a in n.all_input_nodes):
+                self.per_feature.add(n)
 
     def of_one_input(self) -> bool:
         """One activation input, and outputs that keep its token dims."""
@@ -135,7 +143,7 @@ class _Module:
             v = _val(n)
             if v is None:
                 return False
-            if self._per_feature(n):  # computed from parameters alone, like Gemma's 1 + w
+            if n in self.per_feature:
                 if v.dim() > 1 or not self._row_local(n, rank):
                     return False
                 continue
@@ -144,14 +152,6 @@ class _Module:
             if not self._row_local(n, rank):
                 return False
         return True
-
-    def _per_feature(self, n: fx.Node) -> bool:
-        """Whether `n` reads only parameters (and such nodes): a vector over the features."""
-        seen = self.__dict__.setdefault("_per_feature_memo", {})
-        if n not in seen:
-            seen[n] = bool(n.all_input_nodes) and all(
-                a in self.params or (a in self._inside and self._per_feature(a)) for a in n.all_input_nodes)
-        return seen[n]
 
     def _row_local(self, n: fx.Node, rank: int) -> bool:
         if n.op == "call_function" and n.target in _LINEAR:
@@ -168,8 +168,7 @@ class _Module:
             return False
         # an operand is a row of the input's rows, a per-feature vector or a number
         for a in n.all_input_nodes:
-            if (a in self.params or (a in self._inside and self._per_feature(a))) and \
-                    _val(a) is not None and _val(a).dim() > 1:
+            if (a in self.params or a in self.per_feature) and _val(a) is not None and _val(a).dim() > 1:
                 return False
         return all(isinstance(a, (fx.Node, int, float, bool, torch.dtype, str, type(None)))
                    for a in list(n.args) + list(n.kwargs.values()))
@@ -189,18 +188,14 @@ class _Module:
         return not statically_known_true(per_token < 2 * x.shape[-1] * x.element_size())
 
 
-def _hint(x) -> int:
-    return int(x.node.hint) if isinstance(x, torch.SymInt) and x.node.hint is not None else int(x)
-
-
-def _profile(m: _Module) -> Profile:
-    tokens = max(_hint(_tokens(_val(m.inputs[0]))), 1)
+def _profile(m: _Group) -> Profile:
+    tokens = max(hint(_tokens(_val(m.inputs[0]))), 1)
     flops = 0
     nbytes = 0
     for n in m.nodes:
         v = _val(n)
         if n not in m.outputs:
-            nbytes += _hint(v.numel()) * v.element_size()
+            nbytes += tensor_nbytes(v)
         if n.op == "call_function" and n.target in _LINEAR:
             w = _val(n.args[1] if len(n.args) > 1 else n.kwargs["weight"])
             flops += 2 * w.shape[0] * w.shape[1]
@@ -215,7 +210,7 @@ def chunk_tokens(tokens: int, x_bytes_per_token: int, profile: Profile) -> int:
     return min(chunk, tokens)
 
 
-def _extract(m: _Module) -> fx.GraphModule:
+def _extract(m: _Group) -> fx.GraphModule:
     """The module's nodes as a GraphModule of (input, *parameters) -> [outputs]."""
     g = fx.Graph()
     env = {m.inputs[0]: g.placeholder("x")}
@@ -241,7 +236,7 @@ def _nodes_of(gm: fx.GraphModule, path: str) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and path in _stack(n)]
 
 
-def _with_its_feeder(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order: dict) -> _Module:
+def _with_its_feeder(gm: fx.GraphModule, m: _Group, params: set[fx.Node], order: dict) -> _Group:
     """`m` and the module that computes its input for it alone, where the two together are
     still token-wise of one input (the norm before an MLP: its fp32 intermediates are as
     wide as the hidden states, and chunked with the MLP they never exist whole); else `m`."""
@@ -252,11 +247,11 @@ def _with_its_feeder(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order
     feeder = _nodes_of(gm, stack[-1])
     if set(feeder) & set(m.nodes):  # x's module holds m (x is computed inside the layer holding it)
         return m
-    merged = _Module(sorted(feeder + m.nodes, key=order.__getitem__), params)
+    merged = _Group(sorted(feeder + m.nodes, key=order.__getitem__), params)
     return merged if merged.of_one_input() and len(merged.outputs) == 1 and merged.token_wise() else m
 
 
-def _with_its_readers(gm: fx.GraphModule, m: _Module, params: set[fx.Node], order: dict) -> _Module:
+def _with_its_readers(gm: fx.GraphModule, m: _Group, params: set[fx.Node], order: dict) -> _Group:
     """`m` (of one output) and every module that reads its output, where each reads
     nothing else and all together are token-wise of one input (the norm before attention
     and the q, k, v projections that read it: the normed states then never exist whole,
@@ -271,14 +266,14 @@ def _with_its_readers(gm: fx.GraphModule, m: _Module, params: set[fx.Node], orde
         if set(reader) & set(m.nodes):  # y's reader holds m: nothing to take in
             return m
         merged += [n for n in reader if n not in merged]
-    wider = _Module(sorted(merged, key=order.__getitem__), params)
+    wider = _Group(sorted(merged, key=order.__getitem__), params)
     return wider if wider.of_one_input() and wider.token_wise() else m
 
 
-def _swap(gm: fx.GraphModule, m: _Module, order: dict, chunk: int) -> None:
+def _swap(gm: fx.GraphModule, m: _Group, order: dict, chunk: int, profile: Profile) -> None:
     """Replace `m`'s nodes in `gm` by one token_chunks call and a getitem per output."""
     key = op.register(_extract(m))
-    PROFILES[key] = _profile(m)
+    PROFILES[key] = profile
     first = min(m.nodes, key=order.__getitem__)
     with gm.graph.inserting_before(first):
         call = gm.graph.call_function(op.run_in_chunks, (m.inputs[0], list(m.used_params), key, chunk))
@@ -303,7 +298,7 @@ def chunk_token_wise_modules(gm: fx.GraphModule, params: set[fx.Node]) -> int:
         nodes = _nodes_of(gm, path)
         if not nodes:
             continue
-        m = _Module(nodes, params)
+        m = _Group(nodes, params)
         if not (m.of_one_input() and m.token_wise()):
             continue
         if m.expands():
@@ -313,11 +308,12 @@ def chunk_token_wise_modules(gm: fx.GraphModule, params: set[fx.Node]) -> int:
         else:
             continue
         x = _val(m.inputs[0])
-        tokens = _hint(_tokens(x))
-        chunk = chunk_tokens(tokens, x.shape[-1] * x.element_size(), _profile(m))
+        tokens, profile = hint(_tokens(x)), _profile(m)
+        chunk = chunk_tokens(tokens, x.shape[-1] * x.element_size(), profile)
         if chunk >= tokens:
             continue
-        _swap(gm, m, order, chunk)
+        _swap(gm, m, order, chunk, profile)
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # the swap's new nodes included
         count += 1
     if count:
         gm.graph.lint()

@@ -273,10 +273,9 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
             rates = Rates.from_json(data["rates"])
             # the update rate belongs to a thread count and to what ran beside it: a cache
             # taken otherwise (another process default, an older probe) is measured again
-            meta = data["meta"]
-            cuda = torch.device(device).type == "cuda"
-            if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[cuda]
-                    and meta.get("adamw_threads") == streaming_threads(torch.device(device).type)):
+            meta, kind = data["meta"], torch.device(device).type
+            if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[kind == "cuda"]
+                    and meta.get("adamw_threads") == streaming_threads(kind)):
                 return rates
         except (OSError, ValueError, KeyError, TypeError):
             pass

@@ -9,7 +9,8 @@ recomputes one chunk's forward and backpropagates it, then the next. The interme
 then never exceed one chunk's, at the price of the subgraph's forward once more in the
 backward (mini-sequence training).
 
-The subgraph is a GraphModule (inputs: the activations, then the parameters; one output)
+The subgraph is a GraphModule (inputs: the activations, then the parameters; a list of
+outputs, each keeping the activations' token dims)
 registered under a key derived from its code, so the same subgraph gets the same key in
 every process (a compiled graph cached by Inductor names it by that key). The pass that
 finds such subgraphs and swaps them in is compiler/token_chunks.py.
@@ -82,8 +83,10 @@ def _spans(tokens: int, chunk: int):
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None) if dtype is not None \
-        else torch.autocast(device.type, enabled=False)
+    """Autocast to `dtype` on `device`, or off where `dtype` is None."""
+    if dtype is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def run_in_chunks(x: torch.Tensor, params: list[torch.Tensor], key: str, chunk: int) -> list[torch.Tensor]:

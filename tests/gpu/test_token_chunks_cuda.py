@@ -10,13 +10,15 @@ or counted twice moves a gradient by a whole chunk's share (>= 1/4 here)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from megatrain.compiler import token_chunks as pass_mod
 from megatrain.models import Llama, LlamaConfig
 
-from ..compiler.helpers import random_batches, train_megatrain
+from ..compiler.helpers import compile_streamed, random_batches, train_megatrain
 from .compare import assert_runs_agree
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
@@ -31,33 +33,57 @@ def _llama():
     return model, random_batches(512, 3, batch=1, seq=SEQ)
 
 
+def _options(precision, lowering, chunks):
+    return {"device": "cuda", "precision": precision, "lowering": lowering, "token_chunks": chunks, "kernels": False}
+
+
 def _train(model, batches, precision, lowering, chunks):
-    out = train_megatrain(model, batches, {"device": "cuda", "precision": precision, "lowering": lowering,
-                                           "token_chunks": chunks, "kernels": False})
+    out = train_megatrain(model, batches, _options(precision, lowering, chunks))
     assert (out["plan"].token_chunks > 0) == chunks, out["plan"]
     return out
 
 
+def _first_gradients(model, batch, precision, lowering, chunks):
+    """One step's loss and parameter gradients of a copy of `model` (torch's autograd
+    leaves them on the host parameters' .grad)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(model)
+    ids, labels = batch
+    loss = compile_streamed(model, _options(precision, lowering, chunks))(ids, labels=labels)
+    loss.backward()
+    return loss.item(), [p.grad.detach().float().cpu() for p in model.parameters()]
+
+
 def test_chunked_fp32_trains_like_unchunked_on_cuda():
+    """Gradients equal to fp32 summation order (the CPU test's tolerance against eager);
+    three megatrain.AdamW steps give the same losses; the peak is lower. Parameters after
+    AdamW are not compared elementwise: an element whose gradient cancels to ~eps moves by
+    a share of lr on a last-bit difference (compare.py)."""
     model, batches = _llama()
+    (loss_a, grads_a), (loss_b, grads_b) = (_first_gradients(model, batches[0], "fp32", "eager", chunks)
+                                            for chunks in (True, False))
+    assert abs(loss_a - loss_b) <= 1e-6 * abs(loss_b)
+    for (name, _), a, b in zip(model.named_parameters(), grads_a, grads_b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     chunked = _train(model, batches, "fp32", "eager", True)
     plain = _train(model, batches, "fp32", "eager", False)
     assert_runs_agree(model, [p.detach() for p in chunked["model"].parameters()],
-                      [p.detach() for p in plain["model"].parameters()], chunked["losses"], plain["losses"])
+                      [p.detach() for p in plain["model"].parameters()], chunked["losses"], plain["losses"],
+                      compare_params=False)
     # the MLP's [S, 1024] intermediates live a chunk at a time
     assert chunked["plan"].measured_peak_bytes < plain["plan"].measured_peak_bytes, \
         (chunked["plan"].measured_peak_bytes, plain["plan"].measured_peak_bytes)
 
 
 def test_chunked_bf16_under_inductor_matches_unchunked_gradients():
+    """bf16 through Inductor: the loss within bf16 rounding, and each gradient within a few
+    bf16 ulps of its own size (relative to its largest element): a lost or doubled chunk
+    moves a gradient by a quarter of its size."""
     model, batches = _llama()
-    batches = batches[:1]
-    a, b = (_train(model, batches, "bf16", "inductor", chunks) for chunks in (True, False))
-    assert abs(a["losses"][0] - b["losses"][0]) <= 1e-2 * abs(b["losses"][0]), (a["losses"], b["losses"])
-    # one AdamW step from the same start: the first step moves each element by ~lr*sign(g),
-    # so compare the update's direction where the gradient is not tiny: sign agreement
-    start = dict(model.named_parameters())
-    for (name, p), q in zip(a["model"].named_parameters(), b["model"].parameters()):
-        da, db = (p.detach().cpu() - start[name].detach()), (q.detach().cpu() - start[name].detach())
-        agree = (da.sign() == db.sign()).float().mean().item()
-        assert agree >= 0.97, f"{name}: update directions agree on {agree:.3f} of elements"
+    (loss_a, grads_a), (loss_b, grads_b) = (_first_gradients(model, batches[0], "bf16", "inductor", chunks)
+                                            for chunks in (True, False))
+    assert abs(loss_a - loss_b) <= 1e-2 * abs(loss_b), (loss_a, loss_b)
+    for (name, _), a, b in zip(model.named_parameters(), grads_a, grads_b):
+        scale = b.abs().max().item()
+        err = (a - b).norm().item() / max(b.norm().item(), 1e-30)
+        assert err <= 0.03, f"{name}: relative error {err:.4f} (largest |g| {scale:.3e})"

@@ -261,7 +261,8 @@ def _compile_for_memory(gm, example_inputs, opts: Options, streamer, sid, first:
     except (InfeasibleBudget, OffloadRoomExceeded) as e:
         applied.append("token chunks (one chunk of each MLP's intermediates at a time)")
         raise _already(e, applied, first) from None
-    return _noted(result, first, "token chunks" + (" and the fused linear-cross-entropy" if fuse else ""), opts)
+    return _noted(result, first, "token chunks" + (" and the fused linear-cross-entropy" if fuse else ""), opts,
+                  several=fuse)
 
 
 class _NothingToChunk(Exception):
@@ -278,16 +279,18 @@ def _already(e: Exception, applied: list[str], first: Exception) -> Exception:
     return type(e)(message)
 
 
-def _noted(result, first: Exception, what: str, opts: Options):
-    """`result` with the plan's note saying `what` was applied for memory, and why."""
+def _noted(result, first: Exception, what: str, opts: Options, several: bool = False):
+    """`result` with the plan's note saying `what` (`several` things) was applied for memory,
+    and why."""
     compiled, plan, cap = result
+    it = "them" if several else "it"
     need = (f"the leanest schedule peaks at {first.min_budget} bytes ({format_bytes(first.min_budget)}) "
             f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})"
             if isinstance(first, InfeasibleBudget) else str(first))
     plan.note = (
-        f"{what} applied for memory: without it {need}; with it the plan peaks at "
+        f"{what} applied for memory: without {it} {need}; with {it} the plan peaks at "
         f"{plan.predicted_peak_bytes} bytes ({format_bytes(plan.predicted_peak_bytes)}). Not for speed: "
-        f"megatrain applies it only where the step does not fit otherwise")
+        f"megatrain applies {it} only where the step does not fit otherwise")
     return compiled, plan, cap
 
 

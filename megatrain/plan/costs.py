@@ -51,15 +51,18 @@ class Rates:
     d2h: float  # device -> host (pinned), one direction alone
     duplex: float  # h2d + d2h bytes/s when both run at once
     flops: float  # matmul FLOP/s in the compute dtype
-    adamw: float  # host fused AdamW, parameters/s
+    adamw: float  # host fused AdamW, parameters/s, while the link copies both ways
     # device memory bytes/s (read + write) of a large copy on the device; None: memory-bound
     # kernels are not charged (rates written by hand for a test of the other terms)
     memory: float | None = None
+    # host fused AdamW, parameters/s, with the link idle; None: as `adamw` (a CPU device, or
+    # rates written before it was measured)
+    adamw_quiet: float | None = None
 
     def __post_init__(self):
-        for name in ("h2d", "d2h", "duplex", "flops", "adamw", "memory"):
+        for name in ("h2d", "d2h", "duplex", "flops", "adamw", "memory", "adamw_quiet"):
             v = getattr(self, name)
-            if v is None and name == "memory":
+            if v is None and name in ("memory", "adamw_quiet"):
                 continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"Rates.{name}={v!r}: rates must be finite and > 0")
@@ -69,15 +72,18 @@ class Rates:
 
     @classmethod
     def from_json(cls, data: dict) -> "Rates":
-        """Strict: a cache from before a rate was measured is measured again, not guessed."""
+        """Strict: a cache from before a rate was measured is measured again, not guessed;
+        only the quiet-link update rate may be missing (it then reads as `adamw`, and the
+        probe's cache check measures a GPU again)."""
         return cls(**{k: data[k] for k in ("device", "h2d", "d2h", "duplex", "flops", "adamw",
-                                           "memory")})
+                                           "memory")}, adamw_quiet=data.get("adamw_quiet"))
 
     def scaled(self, link: float = 1.0, compute: float = 1.0, host: float = 1.0) -> "Rates":
         """The same machine with faster (factor > 1) links, device or host."""
         return Rates(self.device, self.h2d * link, self.d2h * link, self.duplex * link,
                      self.flops * compute, self.adamw * host,
-                     None if self.memory is None else self.memory * compute)
+                     None if self.memory is None else self.memory * compute,
+                     None if self.adamw_quiet is None else self.adamw_quiet * host)
 
 
 # A recent GPU on a PCIe Gen5 host, order of magnitude: the CUDA default without a probe, and
@@ -118,39 +124,53 @@ def compute_seconds(flops: int, rates: Rates, traffic: int = 0) -> float:
     return seconds
 
 
-def host_bandwidth(rates: Rates) -> float:
-    """Host memory bytes/s as the probe's fused AdamW achieved them: at the host optimizer's
-    threads, beside a busy link on a GPU (runtime/probe.py), so what the copies take from
-    host memory bandwidth is already out of it."""
-    return rates.adamw * ADAMW_BYTES_PER_PARAM
+def host_bandwidth(rates: Rates, link_busy: float = 1.0) -> float:
+    """Host memory bytes/s as the probe's fused AdamW achieved them at the host optimizer's
+    threads (runtime/probe.py), when the link copies for a `link_busy` share of the time:
+    the copies take host memory bandwidth from the update while they run, so the time per
+    byte is the quiet rate's for the idle share and the busy rate's for the rest."""
+    busy = rates.adamw * ADAMW_BYTES_PER_PARAM
+    if rates.adamw_quiet is None or link_busy >= 1.0:
+        return busy
+    quiet = rates.adamw_quiet * ADAMW_BYTES_PER_PARAM
+    share = max(link_busy, 0.0)
+    return 1.0 / ((1.0 - share) / quiet + share / busy)
 
 
-def host_step_seconds(numel: int, rates: Rates) -> float:
+def link_busy_share(copy_seconds_total: float, compute_seconds_total: float) -> float:
+    """The share of a step the link copies, both directions together (a copy in one
+    direction is half of the link's duplex work), as the host update sees it: the planned
+    copies over the planned compute, capped at 1."""
+    if compute_seconds_total <= 0:
+        return 1.0
+    return min(1.0, copy_seconds_total / (2.0 * compute_seconds_total))
+
+
+def host_step_seconds(numel: int, rates: Rates, link_busy: float = 1.0) -> float:
     """A region's AdamW update: bound by host memory bandwidth, 28 B/param at the probed
-    rate (taken while the link copies in both directions, as the weights' fetches and the
-    gradients' copies do through the step)."""
+    rate for a link busy a `link_busy` share of the step."""
     if numel <= 0:
         return 0.0
-    return numel * ADAMW_BYTES_PER_PARAM / host_bandwidth(rates)
+    return numel * ADAMW_BYTES_PER_PARAM / host_bandwidth(rates, link_busy)
 
 
-def host_hold_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
+def host_hold_seconds(numel: int, grad_bytes: int, rates: Rates, link_busy: float = 1.0) -> float:
     """Holding a final gradient for a clipping optimizer (hold_bytes_per_param)."""
     if numel <= 0:
         return 0.0
-    return numel * hold_bytes_per_param(grad_bytes) / host_bandwidth(rates)
+    return numel * hold_bytes_per_param(grad_bytes) / host_bandwidth(rates, link_busy)
 
 
-def host_clipped_step_seconds(numel: int, grad_bytes: int, rates: Rates) -> float:
+def host_clipped_step_seconds(numel: int, grad_bytes: int, rates: Rates, link_busy: float = 1.0) -> float:
     """host_step_seconds for a clipping optimizer: the update scales the held gradient."""
     if numel <= 0:
         return 0.0
-    return host_step_seconds(numel, rates) + (
-        numel * clip_update_bytes_per_param(grad_bytes) / host_bandwidth(rates))
+    return host_step_seconds(numel, rates, link_busy) + (
+        numel * clip_update_bytes_per_param(grad_bytes) / host_bandwidth(rates, link_busy))
 
 
-def host_accumulate_seconds(numel: int, rates: Rates) -> float:
+def host_accumulate_seconds(numel: int, rates: Rates, link_busy: float = 1.0) -> float:
     """Summing a micro-batch gradient into the fp32 host buffer: memory-bound like AdamW."""
     if numel <= 0:
         return 0.0
-    return numel * ACCUMULATE_BYTES_PER_PARAM / host_bandwidth(rates)
+    return numel * ACCUMULATE_BYTES_PER_PARAM / host_bandwidth(rates, link_busy)

@@ -51,8 +51,10 @@ from .program import (
 )
 
 
-def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
-    """Seconds per (kind, region, phase), from the cost model; zero for compute-stream ops."""
+def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates, prog: Program) -> dict:
+    """Seconds per (kind, region, phase), from the cost model; zero for compute-stream ops.
+    The host updates are charged at the share of the step `prog`'s copies keep the link
+    busy (costs.host_bandwidth)."""
     link = {"fw": costs.link_rates(rates, any(sh.wbytes["fw"].values()), bool(cfg.offloaded)),
             "bw": costs.link_rates(rates, any(sh.wbytes["bw"].values()) or bool(cfg.offloaded),
                                    bool(sh.owned))}
@@ -67,21 +69,25 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates) -> dict:
         out[("reload", r.id, "bw")] = costs.copy_seconds(r.out_bytes, link["bw"].h2d)
     for o, ws in sh.owned.items():
         out[("d2h", o, "bw")] = costs.copy_seconds(sum(sh.weight[w].d2h_bytes for w in ws), link["bw"].d2h)
+    busy = costs.link_busy_share(sum(out.get(t[:3], 0.0) for t in (*prog.h2d, *prog.d2h)),
+                                 sum(out.get(t[:3], 0.0) for t in prog.compute))
+    for o, ws in sh.owned.items():
         numel = sum(sh.weight[w].numel for w in ws)
         if sh.problem.updates_wait:
             grad_bytes = round(sum(sh.weight[w].d2h_bytes for w in ws) / max(numel, 1))
-            out[("host_hold", o, "host")] = costs.host_hold_seconds(numel, grad_bytes, rates)
-            out[("host_step", o, "host")] = costs.host_clipped_step_seconds(numel, grad_bytes, rates)
+            out[("host_hold", o, "host")] = costs.host_hold_seconds(numel, grad_bytes, rates, busy)
+            out[("host_step", o, "host")] = costs.host_clipped_step_seconds(numel, grad_bytes, rates, busy)
         else:
-            out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates)
-        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates)
+            out[("host_step", o, "host")] = costs.host_step_seconds(numel, rates, busy)
+        out[("host_acc", o, "host")] = costs.host_accumulate_seconds(numel, rates, busy)
     return out
+
 
 
 def task_graph(prog: Program, sh: _Shape, cfg: PlanConfig, rates: Rates) -> nx.DiGraph:
     """The networkx task graph: nodes carry stream, seconds (and weights moved, for copies
     and host steps); edges carry kind "data", "stream" (FIFO order) or "slot"."""
-    dur = _durations(sh, cfg, rates)
+    dur = _durations(sh, cfg, rates, prog)
     G = nx.DiGraph()
     for seq in (prog.compute, prog.h2d, prog.d2h, prog.host):
         for t in seq:

@@ -163,13 +163,14 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * n * dtype.itemsize / t
 
 
-def _adamw_rate(device: torch.device, numel: int, repeats: int, threads: int,
-                copy_bytes: int) -> tuple[float, str, bool]:
-    """Parameters/s of torch's fused CPU AdamW at `threads` intra-op threads, beside a busy
-    link on a CUDA `device`: the update's rate in training, where the weights' fetches and
-    the gradients' copies share host memory bandwidth with it. Also whether the link stayed
-    busy for every timed update (the copies are queued ahead for three times the update's
-    time alone; a False says the rate was partly taken on a quiet link)."""
+def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,
+                 copy_bytes: int) -> tuple[float, float | None, str, bool]:
+    """Parameters/s of torch's fused CPU AdamW at `threads` intra-op threads: beside a busy
+    link on a CUDA `device` (the weights' fetches and the gradients' copies share host
+    memory bandwidth with the update), and alone (None on a CPU device: nothing copies
+    beside it there, so the one rate is both). Also whether the link stayed busy for
+    every timed update (the copies are queued ahead for three times the update's time
+    alone; a False says the busy rate was partly taken on a quiet link)."""
     p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.full_like(p, 1e-3)
     before = torch.get_num_threads()
@@ -183,12 +184,12 @@ def _adamw_rate(device: torch.device, numel: int, repeats: int, threads: int,
             opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
             impl = "foreach"
         cpu = torch.device("cpu")
+        alone = _best(lambda: _timed(cpu, opt.step), repeats)
         if device.type != "cuda":
-            return numel / _best(lambda: _timed(cpu, opt.step), repeats), impl, True
-        alone = _best(lambda: _timed(cpu, opt.step), 1)
+            return numel / alone, None, impl, True
         with _BusyLink(device, copy_bytes) as link:
             t = _best(lambda: link.around(lambda: _timed(cpu, opt.step), 3 * alone), repeats)
-        return numel / t, impl, link.busy_throughout
+        return numel / t, numel / alone, impl, link.busy_throughout
     finally:
         torch.set_num_threads(before)
 
@@ -250,10 +251,10 @@ def probe(device: torch.device | str = "cuda", sizes: ProbeSizes | None = None) 
     flops = _matmul_rate(device, sizes.matmul_n, sizes.repeats)
     memory = _memory_rate(device, sizes.copy_bytes, sizes.repeats)
     adamw_threads = streaming_threads(device.type)
-    adamw, impl, link_busy = _adamw_rate(device, sizes.adamw_params, sizes.repeats, adamw_threads,
-                                         sizes.copy_bytes)
+    adamw, adamw_quiet, impl, link_busy = _adamw_rates(device, sizes.adamw_params, sizes.repeats,
+                                                       adamw_threads, sizes.copy_bytes)
     rates = Rates(device_name(device), h2d=h2d, d2h=d2h, duplex=duplex, flops=flops, adamw=adamw,
-                  memory=memory)
+                  memory=memory, adamw_quiet=adamw_quiet)
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "adamw_impl": impl,
             "adamw_threads": adamw_threads, "adamw_beside": _ADAMW_BESIDE[device.type == "cuda"],
             "adamw_link_busy_throughout": link_busy, "sizes": sizes.__dict__,
@@ -272,10 +273,12 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
             data = json.loads(path.read_text())
             rates = Rates.from_json(data["rates"])
             # the update rate belongs to a thread count and to what ran beside it: a cache
-            # taken otherwise (another process default, an older probe) is measured again
+            # taken otherwise (another process default, an older probe, a GPU's without the
+            # quiet-link rate) is measured again
             meta, kind = data["meta"], torch.device(device).type
             if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[kind == "cuda"]
-                    and meta.get("adamw_threads") == streaming_threads(kind)):
+                    and meta.get("adamw_threads") == streaming_threads(kind)
+                    and (kind != "cuda" or rates.adamw_quiet is not None)):
                 return rates
         except (OSError, ValueError, KeyError, TypeError):
             pass

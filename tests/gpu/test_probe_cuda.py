@@ -1,5 +1,5 @@
 """The probe on a GPU times the host update as training runs it: at the optimizer's
-threads, while both directions of the link copy."""
+threads, while both directions of the link copy and with the link quiet."""
 
 from __future__ import annotations
 
@@ -21,4 +21,4 @@ def test_the_host_update_is_timed_beside_a_busy_link(tmp_path, monkeypatch):
     meta = json.loads(probe.cache_path(rates.device).read_text())["meta"]
     assert meta["adamw_beside"] == "duplex copies" and meta["adamw_link_busy_throughout"] is True
     assert meta["adamw_threads"] == max(1, before // 2) and torch.get_num_threads() == before
-    assert rates.adamw > 0
+    assert rates.adamw > 0 and rates.adamw_quiet is not None and rates.adamw_quiet > 0

@@ -483,7 +483,7 @@ def test_copies_cover_exactly_the_region():
     runs = du.copy_runs([p.detach() for p in region], lay)
     assert [(o, n) for o, n, _ in runs] == [(o, p.numel()) for o, p in zip(lay.offsets, region)]
     base = torch.zeros(256)
-    a, gap, b, c = base[0:64], base[64:70], base[70:134], base[134:198]
+    a, _gap, b, c = base[0:64], base[64:70], base[70:134], base[134:198]
     lay = FlatLayout.of([(64,), (64,), (64,)])
     runs = du.copy_runs([a, b, c], lay)  # a|b have a gap in host memory; b|c are adjacent
     assert [(o, n) for o, n, _ in runs] == [(0, 64), (64, 128)]

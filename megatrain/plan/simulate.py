@@ -83,7 +83,6 @@ def _durations(sh: _Shape, cfg: PlanConfig, rates: Rates, prog: Program) -> dict
     return out
 
 
-
 def task_graph(prog: Program, sh: _Shape, cfg: PlanConfig, rates: Rates) -> nx.DiGraph:
     """The networkx task graph: nodes carry stream, seconds (and weights moved, for copies
     and host steps); edges carry kind "data", "stream" (FIFO order) or "slot"."""

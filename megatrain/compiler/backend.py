@@ -187,16 +187,24 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
     sid = streamer_mod.register(streamer)
     dropped = outputs.drop_non_scalar_outputs(gm) if opts.outputs == "loss" else None
     fuse, chunk = _may_fuse_loss_for_memory(gm, opts), opts.token_chunks is None
-    # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
-    retry = _pristine_copy(gm) if fuse or chunk else None
-    try:
-        compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or (),
-                                       times, token_chunks=opts.token_chunks is True)
-    except (InfeasibleBudget, OffloadRoomExceeded) as first:
-        if retry is None:
-            raise
-        compiled, plan, cap = _compile_for_memory(retry, example_inputs, opts, streamer, sid, first,
+    logits = _unfused_logits_bytes(gm, opts) if fuse else 0
+    if logits > opts.gpu_memory:  # no plan without the fused loss fits: do not try one
+        first = _LogitsAlone(f"the logits and their gradient alone take {logits} bytes "
+                             f"({format_bytes(logits)}) > gpu_memory={opts.gpu_memory} bytes "
+                             f"({format_bytes(opts.gpu_memory)})")
+        compiled, plan, cap = _compile_for_memory(gm, example_inputs, opts, streamer, sid, first,
                                                   times, fuse, chunk)
+    else:
+        # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
+        retry = _pristine_copy(gm) if fuse or chunk else None
+        try:
+            compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or (),
+                                           times, token_chunks=opts.token_chunks is True)
+        except (InfeasibleBudget, OffloadRoomExceeded) as first:
+            if retry is None:
+                raise
+            compiled, plan, cap = _compile_for_memory(retry, example_inputs, opts, streamer, sid, first,
+                                                      times, fuse, chunk)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
     # traced graph does not depend on where the host bytes sit, only the copies do.
     with phase("homing", times):
@@ -213,6 +221,12 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
 
 
 _FUSED_LOSS = ("linear_cross_entropy",)
+
+
+def _unfused_logits_bytes(gm: torch.fx.GraphModule, opts: Options) -> int:
+    from . import fusions  # imports the Triton kernels: only when a graph is compiled
+
+    return fusions.unfused_logits_bytes(gm, opts.compute_dtype)
 
 
 def _may_fuse_loss_for_memory(gm: torch.fx.GraphModule, opts: Options) -> bool:
@@ -269,10 +283,18 @@ class _NothingToChunk(Exception):
     """No module of the graph is token-wise and wide enough to gain from chunks."""
 
 
+class _LogitsAlone(Exception):
+    """The step cannot fit without the fused loss: its logits alone exceed gpu_memory
+    (fusions.unfused_logits_bytes), so no plan without it is tried."""
+
+
 def _already(e: Exception, applied: list[str], first: Exception) -> Exception:
     """`e` again, saying what was applied and what the step needed without it."""
-    without = (f"; without it the step needs {first.min_budget} bytes ({format_bytes(first.min_budget)})"
-               if isinstance(first, InfeasibleBudget) and first is not e else "")
+    without = ""
+    if isinstance(first, InfeasibleBudget) and first is not e:
+        without = f"; without it the step needs {first.min_budget} bytes ({format_bytes(first.min_budget)})"
+    elif isinstance(first, _LogitsAlone):
+        without = f"; without it {first}"
     message = f"{e} (this is with {' and '.join(applied)} already applied{without})"
     if isinstance(e, InfeasibleBudget):
         return InfeasibleBudget(message, e.min_budget)

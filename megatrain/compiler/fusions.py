@@ -538,6 +538,23 @@ def has_linear_cross_entropy(gm: fx.GraphModule) -> bool:
     return any(_match_linear_ce(n) is not None for n in gm.graph.nodes)
 
 
+def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype) -> int:
+    """The least any plan of `gm` without the fused loss holds at once for its largest such
+    loss: the [tokens, vocab] logits and their gradient in `dtype` (the backward forms the
+    gradient from the logits, or from as large a tensor the forward kept of them). 0 where
+    no loss matches or its sizes are symbolic (a bound must not guard on them)."""
+    most = 0
+    for n in gm.graph.nodes:
+        m = _match_linear_ce(n)
+        if m is None:
+            continue
+        (hidden, weight, target, *_), _ = m
+        tokens, vocab = _val(target).shape[0], _val(weight).shape[0]
+        if isinstance(tokens, int) and isinstance(vocab, int):
+            most = max(most, 2 * tokens * vocab * dtype.itemsize)
+    return most
+
+
 def kernels_run_on(device: torch.device) -> bool:
     """Whether the Triton kernels can run on `device`: CUDA, or the CPU when megatrain.kernels
     was imported under TRITON_INTERPRET=1 (how CI runs them)."""

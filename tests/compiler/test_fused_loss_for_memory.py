@@ -113,9 +113,50 @@ def test_too_small_even_fused_says_the_fused_loss_was_tried(budgets):
     msg = str(e)
     assert f"{FUSED} loss already applied" in msg, msg
     assert e.min_budget == budgets["fused"]
-    # It still names the bytes needed (with and without the fused loss) and available.
-    for n in (budgets["fused"], budgets["unfused"], budgets["tiny"]):
+    # It still names the bytes needed (with the fused loss, and the logits' without) and
+    # available.
+    logits = 2 * BATCH * SEQ * CFG.vocab_size * 4
+    for n in (budgets["fused"], logits, budgets["tiny"]):
         assert str(n) in msg, (n, msg)
+
+
+@pytest.mark.parametrize("below_the_logits", [True, False])
+def test_no_plan_without_the_fused_loss_is_tried_where_the_logits_alone_overflow(monkeypatch,
+                                                                                  below_the_logits):
+    """Where the [tokens, vocab] logits and their gradient alone exceed gpu_memory, no plan
+    without the fused loss can fit: the backend compiles once, fused, and its note says why
+    (a plain attempt costs a whole capture, AOT trace and search). Above that bound the
+    plain attempt comes first, as before. Four times the tokens of the other tests, so
+    that the fused plan fits below the bound."""
+    from megatrain.compiler import backend
+
+    batch, seq = 2, 4 * SEQ
+    ids, labels = random_batches(CFG.vocab_size, 1, batch, seq)[0]
+    logits = 2 * batch * seq * CFG.vocab_size * 4
+
+    def compiled(budget, **extra):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        return compile_streamed(Llama(CFG), options(budget, **extra))
+
+    with pytest.raises(InfeasibleBudget) as info:
+        compiled(1 << 16, kernels=["linear_cross_entropy"])(ids, labels=labels)
+    fused = info.value.min_budget
+    assert fused < logits
+    budget = (fused + logits) // 2 if below_the_logits else 2 * logits
+    attempts = []
+    real = backend._compile
+    monkeypatch.setattr(backend, "_compile", lambda gm, inputs, opts, streamer, sid, kernels, *a, **k:
+                        attempts.append(tuple(kernels)) or real(gm, inputs, opts, streamer, sid, kernels, *a, **k))
+    step = compiled(budget)
+    step(ids, labels=labels).backward()
+    graph = megatrain.explain(step).graphs[0]
+    if below_the_logits:
+        assert attempts == [("linear_cross_entropy",)]
+        assert graph.kernels == ("linear_cross_entropy",) and graph.predicted_peak_bytes <= budget
+        assert f"without it the logits and their gradient alone take {logits} bytes" in graph.note, graph.note
+    else:
+        assert attempts[0] == ()
 
 
 @pytest.mark.parametrize("tokens,chunk", [(40, 16), (12, 16)])

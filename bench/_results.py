@@ -31,6 +31,16 @@ def _version(package: str) -> str | None:
         return None
 
 
+def archived_commit() -> str:
+    """The commit a `git archive` of the repository was made from (export-subst fills
+    ARCHIVED_COMMIT, .gitattributes); "unknown" in a tree that was not archived."""
+    try:
+        text = (REPO / "bench" / "ARCHIVED_COMMIT").read_text().strip()
+    except OSError:
+        return "unknown"
+    return text if text and not text.startswith("$Format") else "unknown"
+
+
 def run_metadata() -> dict:
     """commit (and whether the tree was dirty), GPU name ("cpu" without CUDA), torch,
     triton and python versions, the local time, and a run_id shared by every row of this
@@ -38,7 +48,7 @@ def run_metadata() -> dict:
     try:
         commit, dirty = _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain"))
     except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", None
+        commit, dirty = archived_commit(), None
     # A copy of the tree on another machine may carry a stale .git or none: the caller
     # names the commit it copied.
     commit = os.environ.get("MEGATRAIN_COMMIT", commit)

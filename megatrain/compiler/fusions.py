@@ -540,18 +540,21 @@ def has_linear_cross_entropy(gm: fx.GraphModule) -> bool:
 
 def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype) -> int:
     """The least any plan of `gm` without the fused loss holds at once for its largest such
-    loss: the [tokens, vocab] logits and their gradient in `dtype` (the backward forms the
-    gradient from the logits, or from as large a tensor the forward kept of them). 0 where
-    no loss matches or its sizes are symbolic (a bound must not guard on them)."""
+    loss: the cross-entropy's [tokens, vocab] input and its gradient, each at least as wide
+    as `dtype` (the fp32 upcast where the graph has one): the backward forms the gradient
+    from the input's log-softmax, kept by the forward, as large. 0 where no loss matches or
+    its sizes are symbolic (a bound must not guard on them)."""
     most = 0
     for n in gm.graph.nodes:
         m = _match_linear_ce(n)
         if m is None:
             continue
         (hidden, weight, target, *_), _ = m
+        logits = _val(_arg(n, 0, "input", None))
         tokens, vocab = _val(target).shape[0], _val(weight).shape[0]
         if isinstance(tokens, int) and isinstance(vocab, int):
-            most = max(most, 2 * tokens * vocab * dtype.itemsize)
+            itemsize = max(logits.dtype.itemsize, dtype.itemsize)
+            most = max(most, 2 * tokens * vocab * itemsize)
     return most
 
 

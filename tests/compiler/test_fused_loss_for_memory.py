@@ -57,6 +57,9 @@ def budgets():
     fused = min_budget(model, tiny, kernels=["linear_cross_entropy"]).min_budget
     torch._dynamo.reset()
     assert tiny < fused < unfused, (tiny, fused, unfused)
+    # The bound below which the backend does not try the unfused plan holds: the logits and
+    # their gradient (fp32) fit inside the planner's least unfused budget.
+    assert 2 * BATCH * SEQ * CFG.vocab_size * 4 <= unfused
     # The logits dominate: the fused loss cuts this step's peak by over a third, though at
     # 16 tokens its one chunk of logits (scratch the planner counts) holds them all.
     assert 3 * fused < 2 * unfused, (fused, unfused)

@@ -187,12 +187,9 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
     sid = streamer_mod.register(streamer)
     dropped = outputs.drop_non_scalar_outputs(gm) if opts.outputs == "loss" else None
     fuse, chunk = _may_fuse_loss_for_memory(gm, opts), opts.token_chunks is None
-    logits = _unfused_logits_bytes(gm, opts) if fuse else 0
-    if logits > opts.gpu_memory:  # no plan without the fused loss fits: do not try one
-        first = _LogitsAlone(f"the logits and their gradient alone take {logits} bytes "
-                             f"({format_bytes(logits)}) > gpu_memory={opts.gpu_memory} bytes "
-                             f"({format_bytes(opts.gpu_memory)})")
-        compiled, plan, cap = _compile_for_memory(gm, example_inputs, opts, streamer, sid, first,
+    alone = _logits_alone(gm, opts) if fuse else None
+    if alone is not None:  # no plan without the fused loss fits: do not try one
+        compiled, plan, cap = _compile_for_memory(gm, example_inputs, opts, streamer, sid, alone,
                                                   times, fuse, chunk)
     else:
         # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
@@ -223,10 +220,16 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
 _FUSED_LOSS = ("linear_cross_entropy",)
 
 
-def _unfused_logits_bytes(gm: torch.fx.GraphModule, opts: Options) -> int:
+def _logits_alone(gm: torch.fx.GraphModule, opts: Options) -> "_LogitsAlone | None":
+    """Why no plan of `gm` without the fused loss can fit gpu_memory, where its logits and
+    their gradient alone exceed it (fusions.unfused_logits_bytes); else None."""
     from . import fusions  # imports the Triton kernels: only when a graph is compiled
 
-    return fusions.unfused_logits_bytes(gm, opts.compute_dtype)
+    logits = fusions.unfused_logits_bytes(gm, opts.compute_dtype)
+    if logits <= opts.gpu_memory:
+        return None
+    return _LogitsAlone(f"the logits and their gradient alone take {logits} bytes ({format_bytes(logits)}) "
+                        f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})")
 
 
 def _may_fuse_loss_for_memory(gm: torch.fx.GraphModule, opts: Options) -> bool:
@@ -285,7 +288,7 @@ class _NothingToChunk(Exception):
 
 class _LogitsAlone(Exception):
     """The step cannot fit without the fused loss: its logits alone exceed gpu_memory
-    (fusions.unfused_logits_bytes), so no plan without it is tried."""
+    (_logits_alone), so no plan without it is tried."""
 
 
 def _already(e: Exception, applied: list[str], first: Exception) -> Exception:

@@ -76,8 +76,8 @@ def test_chunked_fp32_trains_like_unchunked_on_cuda():
 
 
 def test_chunked_bf16_under_inductor_matches_unchunked_gradients():
-    """bf16 through Inductor: the loss within bf16 rounding, and each gradient within a few
-    bf16 ulps of its own size (relative to its largest element): a lost or doubled chunk
+    """bf16 through Inductor: the loss within 1% and each parameter's gradient within 3% of
+    the unchunked one in relative norm (bf16 rounding is ~0.4%): a lost or doubled chunk
     moves a gradient by a quarter of its size."""
     model, batches = _llama()
     (loss_a, grads_a), (loss_b, grads_b) = (_first_gradients(model, batches[0], "bf16", "inductor", chunks)

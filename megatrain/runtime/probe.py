@@ -2,9 +2,10 @@
 
 Measured: pinned H2D, D2H, both at once (separate streams), matmul FLOP/s in the compute
 dtype (a Linear's forward and backward products: the layouts training runs), device memory
-bandwidth (a copy within the device), and torch's fused AdamW on the CPU (parameters/s) as
-the host optimizer runs it in a streamed step: at its threads (optim.engine.streaming_threads)
-and, on a GPU, while both directions of the link copy (the weights' fetches read host
+bandwidth (a copy within the device), and the host AdamW update (parameters/s) as
+megatrain.AdamW runs it in a streamed step: its kernel (torch's fused CPU AdamW) on memory
+allocated as its state is (huge pages where the host allows), at its threads
+(optim.engine.streaming_threads), and, on a GPU, while both directions of the link copy (the weights' fetches read host
 memory and the gradients' copies write it, through the bandwidth the update is bound by).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
@@ -29,7 +30,8 @@ import torch
 
 from ..optim.engine import streaming_threads
 from ..plan.costs import Rates
-from ..memory.host_store import host_buffer
+from ..memory.host_store import host_buffer, host_zeros, huge_pages_enabled
+from ..optim.functional import adamw_
 
 
 @dataclass(frozen=True)
@@ -165,30 +167,34 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
 
 def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,
                  copy_bytes: int) -> tuple[float, float | None, str, bool]:
-    """Parameters/s of torch's fused CPU AdamW at `threads` intra-op threads: beside a busy
-    link on a CUDA `device` (the weights' fetches and the gradients' copies share host
-    memory bandwidth with the update), and alone (None on a CPU device: nothing copies
-    beside it there, so the one rate is both). Also whether the link stayed busy for
-    every timed update (the copies are queued ahead for three times the update's time
-    alone; a False says the busy rate was partly taken on a quiet link)."""
-    p = torch.nn.Parameter(torch.zeros(numel))
-    p.grad = torch.full_like(p, 1e-3)
+    """Parameters/s of the host update as megatrain.AdamW runs it (optim.functional.adamw_:
+    torch's fused CPU kernel) at `threads` intra-op threads, on buffers allocated as the
+    optimizer's are (memory.host_store.host_zeros: huge pages where the host allows them):
+    beside a busy link on a CUDA `device` (the weights' fetches and the gradients' copies
+    share host memory bandwidth with the update), and alone (None on a CPU device: nothing
+    copies beside it there, so the one rate is both). Also a name of what was timed, and
+    whether the link stayed busy for every timed update (the copies are queued ahead for
+    three times the update's time alone; a False says the busy rate was partly taken on a
+    quiet link)."""
+    param, grad, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32) for _ in range(4))
+    grad.fill_(1e-3)
+    step = torch.zeros((), dtype=torch.float32)
+    hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
+
+    def update() -> None:
+        adamw_([param], [grad], [exp_avg], [exp_avg_sq], [step], **hyper)
+
+    impl = _update_timed()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-            opt.step()
-            impl = "fused"
-        except (RuntimeError, TypeError):  # a torch without fused CPU AdamW: say so in the cache
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-            impl = "foreach"
+        update()  # first touch of the moments' pages, untimed
         cpu = torch.device("cpu")
-        alone = _best(lambda: _timed(cpu, opt.step), repeats)
+        alone = _best(lambda: _timed(cpu, update), repeats)
         if device.type != "cuda":
             return numel / alone, None, impl, True
         with _BusyLink(device, copy_bytes) as link:
-            t = _best(lambda: link.around(lambda: _timed(cpu, opt.step), 3 * alone), repeats)
+            t = _best(lambda: link.around(lambda: _timed(cpu, update), 3 * alone), repeats)
         return numel / t, numel / alone, impl, link.busy_throughout
     finally:
         torch.set_num_threads(before)
@@ -237,6 +243,12 @@ class _BusyLink:
         del self.host_src, self.host_dst, self.dev_src, self.dev_dst
 
 
+def _update_timed() -> str:
+    """What `_adamw_rates` times, as the cache records it: a cache from a probe that timed
+    something else (torch.optim.AdamW on torch's own pages) is measured again."""
+    return "megatrain.adamw_ " + ("huge pages" if huge_pages_enabled() else "4 KiB pages")
+
+
 # What ran beside the timed host update, by whether the device is a GPU.
 _ADAMW_BESIDE = {True: "duplex copies", False: "nothing"}
 
@@ -278,6 +290,7 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
             meta, kind = data["meta"], torch.device(device).type
             if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[kind == "cuda"]
                     and meta.get("adamw_threads") == streaming_threads(kind)
+                    and meta.get("adamw_impl") == _update_timed()
                     and (kind != "cuda" or rates.adamw_quiet is not None)):
                 return rates
         except (OSError, ValueError, KeyError, TypeError):

@@ -20,7 +20,7 @@ def test_probe_measures_and_caches_by_device_name(tmp_path, monkeypatch):
     path = probe.cache_path(rates.device)
     assert path.parent == tmp_path
     data = json.loads(path.read_text())
-    assert Rates.from_json(data["rates"]) == rates and data["meta"]["adamw_impl"] in ("fused", "foreach")
+    assert Rates.from_json(data["rates"]) == rates and data["meta"]["adamw_impl"] == probe._update_timed()
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again despite a cache")
@@ -110,10 +110,12 @@ def test_adamw_rate_is_measured_at_the_optimizers_threads(tmp_path, monkeypatch)
     assert 1 in seen and 2 in seen  # the AdamW timing at 1 thread, the rest at the default
 
 
-@pytest.mark.parametrize("stale", ["threads", "beside", "older probe"])
+@pytest.mark.parametrize("stale", ["threads", "beside", "older probe", "torch's optimizer"])
 def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
-    """A cached update rate taken at other threads, beside other traffic, or by a probe that
-    recorded neither is not the rate the cost model needs: it is measured again."""
+    """A cached update rate taken at other threads, beside other traffic, of another update
+    (torch.optim.AdamW on torch's own pages, not megatrain.AdamW's kernel on its state's
+    memory), or by a probe that recorded none of these is not the rate the cost model
+    needs: it is measured again."""
     monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
     rates = probe.load_or_probe("cpu", sizes=TINY)
     path = probe.cache_path(rates.device)
@@ -122,8 +124,10 @@ def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
         data["meta"]["adamw_threads"] += 1
     elif stale == "beside":
         data["meta"]["adamw_beside"] = "duplex copies"
+    elif stale == "torch's optimizer":
+        data["meta"]["adamw_impl"] = "fused"
     else:
-        del data["meta"]["adamw_threads"], data["meta"]["adamw_beside"]
+        del data["meta"]["adamw_threads"], data["meta"]["adamw_beside"], data["meta"]["adamw_impl"]
     path.write_text(json.dumps(data))
 
     def measuring(*a, **k):
@@ -147,3 +151,29 @@ def test_streaming_threads_leave_the_gpu_half_the_cores():
         assert (streaming_threads("cuda"), streaming_threads("cpu")) == (1, 1)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_probe_times_megatrains_update_on_its_states_memory(tmp_path, monkeypatch):
+    """The rate the cost model charges is the update that runs: optim.functional.adamw_
+    (what megatrain.AdamW calls) on buffers from memory.host_store.host_zeros (where the
+    optimizer's masters and moments live), at the probe's size."""
+    import torch
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    sizes = probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 20, repeats=1)
+    calls, zeros = [], []
+    real_update, real_zeros = probe.adamw_, probe.host_zeros
+
+    def update(params, grads, *rest, **hyper):
+        calls.append([p.numel() for p in params])
+        return real_update(params, grads, *rest, **hyper)
+
+    def host_zeros(numel, dtype):
+        zeros.append((numel, dtype))
+        return real_zeros(numel, dtype)
+
+    monkeypatch.setattr(probe, "adamw_", update)
+    monkeypatch.setattr(probe, "host_zeros", host_zeros)
+    probe.load_or_probe("cpu", sizes=sizes)
+    assert calls and all(c == [sizes.adamw_params] for c in calls)
+    assert zeros == [(sizes.adamw_params, torch.float32)] * 4  # param, grad, m, v

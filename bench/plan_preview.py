@@ -101,6 +101,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
     `sites`, stopping after the update sites are chosen instead (the backend's own choice,
     made once the plan exists and the backward's gradient hand-offs are known). `rates`:
     plan with these instead of this machine's (a GPU run's `planned_rates`)."""
+    import megatrain
     import megatrain.compiler.backend as backend
     from megatrain.compiler import keep as keep_mod
     from megatrain.compiler import rates as rates_mod
@@ -114,11 +115,12 @@ def _stop_after_planning(sites: bool = False, rates=None):
     planned = []
 
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
-            keep_weights=False, problem=None, **names):
+            keep_weights=False, problem=None, inductor=False, **names):
         # a problem the backend read off the pair is dropped: it was read with the CPU's
-        # lowering (fused=False), and the preview plans as on CUDA
+        # lowering (fused=False, the node-by-node walk), and the preview plans as on CUDA
         try:
-            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights, **names)
+            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights,
+                            inductor=megatrain.config.memory_walk == "inductor", **names)
         except Exception as e:  # InfeasibleBudget: its message is the answer
             raise _Planned(error=e) from None
         if not sites:

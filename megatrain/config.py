@@ -33,6 +33,12 @@ probe_rates: bool = True
 # (plan/waits.py). None: never.
 slow_plan_ratio: float | None = 1.5
 
+# How the planner's liveness walk counts a graph Inductor lowers to GPU kernels: "inductor"
+# leaves out the pointwise results Inductor computes inside their readers' kernels and
+# never writes (compiler/op_costs.py `inlined`); "nodes" counts every node's result, as an
+# eager run would allocate it (the walk before it knew; a diagnostic).
+memory_walk: str = "inductor"
+
 
 # -- decisions (the planner's, or today's fixed choice where it has none yet) -------------
 # How each graph is lowered: "inductor" (Triton on GPU, C++ on CPU) or "eager" (the
@@ -105,4 +111,4 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    return ["check_fetched_weights", "probe_rates", "slow_plan_ratio", *DECISIONS]
+    return ["check_fetched_weights", "probe_rates", "slow_plan_ratio", "memory_walk", *DECISIONS]

@@ -352,7 +352,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
         sched = schedule_step(fw, bw, cap.params, opts.device, opts.compute_dtype, opts.gpu_memory,
                               opts.prefetch, opts.offload,
-                              fused=opts.fused_lowering,
+                              fused=opts.fused_lowering, inductor=opts.inductor_walk,
                               keep_weights=opts.keep_weights, region_names=streamer.region_names,
                               param_names=cap.fqns, problem=problem,
                               offload_room=decide.offload_room(cap, opts, training=bw is not None))

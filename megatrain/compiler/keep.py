@@ -75,9 +75,9 @@ def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
     """The cost model's pick (module docstring): the pair to plan and the chooser's answer."""
     everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
     plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype,
-                                 opts.fused_lowering)
+                                 opts.fused_lowering, opts.inductor_walk)
     everything.problem = step_problem(everything.fw, everything.bw, cap.params, opts.device,
-                                      opts.compute_dtype, opts.fused_lowering)
+                                      opts.compute_dtype, opts.fused_lowering, opts.inductor_walk)
     (sp0, planned_rates), (sp1, _) = plain.problem, everything.problem
     p0, p1 = sp0.problem.substitute(sp0.dims), sp1.problem.substitute(sp1.dims)
     if sp0.units != sp1.units or not comparable(p0, p1):

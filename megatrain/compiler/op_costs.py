@@ -233,3 +233,81 @@ def _read_outside(n: fx.Node, g: fx.Node, group: dict, find) -> bool:
         elif u not in group or find(u) is not g:
             return True
     return False
+
+
+
+# Inductor's rules for a pointwise result (torch._inductor.config, ir.StorageBox): with one
+# reader it is computed inside the reader's loop unless its expression reads more than
+# this many buffers ...
+_INLINE_READS_ONE_READER = 8  # realize_acc_reads_threshold
+# ... and with several readers (each recomputes it) unless it reads more than this many,
+_INLINE_READS_SHARED = 4  # realize_reads_threshold
+# or its expression has more ops than this, or (Inductor's CPU heuristic, taken everywhere:
+# it errs on more bytes) it calls a transcendental.
+_INLINE_OPS_SHARED = 30  # realize_opcount_threshold
+_HEAVY = ("exp", "sigmoid")
+
+
+def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
+            written: set[fx.Node] = frozenset()) -> tuple[set[fx.Node], dict[fx.Node, int]]:
+    """The pointwise nodes Inductor computes inside their readers' kernels and never writes
+    to memory, and for each the position in `nodes` where it reads its inputs (its last
+    reader's). Such a node is an aten op tagged pointwise whose every reader (through
+    views) is memory-bound work of the same unit, and whose expression (itself and the
+    inlined producers it pulls in) reads few enough buffers and is cheap enough to repeat in
+    each reader (the thresholds above). What a matmul, attention, a transfer, a custom op, a
+    graph output or another unit reads is written, so is every reduction's result, and so
+    is what the caller knows is (`written`)."""
+    out: set[fx.Node] = set()
+    reads: dict[fx.Node, frozenset] = {}
+    ops: dict[fx.Node, int] = {}
+    heavy: dict[fx.Node, bool] = {}
+    for n in nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) \
+                or torch.Tag.pointwise not in t.tags or n not in owner:
+            continue
+        srcs, count, hot = set(), 1, t.overloadpacket.__name__ in _HEAVY
+        for a in n.all_input_nodes:
+            s = _source(a)
+            if s in out:
+                srcs |= reads[s]
+                count += ops[s]
+                hot |= heavy[s]
+            else:
+                srcs.add(s)
+        reading = readers(n)
+        if not reading or not all(_memory_bound(r) and owner.get(r) == owner[n] for r in reading):
+            continue
+        if len(reading) == 1:
+            ok = len(srcs) <= _INLINE_READS_ONE_READER
+        else:
+            ok = len(srcs) <= _INLINE_READS_SHARED and count <= _INLINE_OPS_SHARED and not hot
+        if ok and n not in written:
+            out.add(n)
+            reads[n], ops[n], heavy[n] = frozenset(srcs), count, hot
+    pos = {n: i for i, n in enumerate(nodes)}
+    reads_at: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        if n in out:
+            reads_at[n] = max(reads_at.get(r, len(nodes) if r.op == "output" else pos[r]) for r in readers(n))
+    return out, reads_at
+
+
+def _source(a: fx.Node) -> fx.Node:
+    """The node whose kernel produced `a` (through views)."""
+    while a.op == "call_function" and is_view(a) and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a
+
+
+def readers(n: fx.Node) -> set[fx.Node]:
+    """The nodes that read `n`'s values, through views (the graph's output included)."""
+    out, todo = set(), list(n.users)
+    while todo:
+        u = todo.pop()
+        if u.op == "call_function" and is_view(u):
+            todo.extend(u.users)
+        else:
+            out.add(u)
+    return out

@@ -91,6 +91,19 @@ class Options:
         return self.lowering == "inductor" and self.device.type == "cuda"
 
     @property
+    def inductor_walk(self) -> bool:
+        """The planner's liveness walk leaves out the pointwise results Inductor computes
+        inside their readers' kernels and never writes (compiler/op_costs.py `inlined`):
+        where the graphs lower to fused GPU kernels, whose working sets the walk already
+        pads with each region's largest transient (a fused kernel may hold several of its
+        nodes' results at once, in another order than the graph's), unless
+        megatrain.config.memory_walk says "nodes"."""
+        if config.memory_walk not in ("inductor", "nodes"):
+            raise MegatrainValueError(f"megatrain.config.memory_walk={config.memory_walk!r}: use \"inductor\" "
+                                      f"(the default) or \"nodes\"")
+        return self.fused_lowering and config.memory_walk == "inductor"
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
 

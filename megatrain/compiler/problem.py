@@ -12,10 +12,13 @@
                  without weights and saved outputs (planner buffers); a weight gradient
                  counts until the hand-off after its own (the runtime frees finished
                  copies there), so the planner holds no whole-region gradient buffer; on
-                 CUDA at fp32 size (it leaves from an fp32 snapshot). With `fused` (Inductor's
-                 Triton kernels) plus the unit's largest transient tensor: a fused kernel
-                 computes several nodes at once, so one of them may be allocated before,
-                 or freed after, the moment the walk in FX order gives it (under
+                 CUDA at fp32 size (it leaves from an fp32 snapshot). With `inductor`, without
+                 the pointwise results Inductor computes inside their readers' loops and
+                 never writes (op_costs.inlined), their inputs read where those readers
+                 run. With `fused` (Inductor's Triton kernels) plus the unit's largest
+                 transient: a fused kernel computes several nodes at once, so one of them
+                 may be allocated before, or freed after, the moment the walk in FX order
+                 gives it (under
                  Inductor with buffer reuse off, a step's peak exceeded the walk's by
                  less than its largest transient; on the CPU, Inductor's C++ kernels stay
                  within the walk: test_memory_contract)
@@ -47,6 +50,7 @@ from . import ops, token_chunks
 from .merges import Merge
 from .op_costs import FUSED_LOSS as _FUSED_LOSS
 from .op_costs import flops as _flops
+from .op_costs import inlined as _inlined
 from .op_costs import is_view as _is_view
 from .op_costs import traffic as _traffic
 from .partition import region_of
@@ -74,10 +78,12 @@ class StepProblem:
 
 def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
                   device: torch.device, dtype: torch.dtype, fused: bool = False,
-                  flop_scale: dict | None = None) -> StepProblem:
+                  flop_scale: dict | None = None, inductor: bool = False) -> StepProblem:
     """`bw=None` describes a forward-only (inference) graph; `fused`: the graphs run as
-    Inductor compiles them (fused kernels), not node by node; `flop_scale`: per node, what
-    turns its FLOPs into FLOPs at the probe's matmul rate (compiler/rates.py)."""
+    Inductor's Triton kernels (a fused kernel's transient margin); `inductor`: the walk
+    leaves out what Inductor computes inside a reader's kernel and never writes;
+    `flop_scale`: per node, what turns its FLOPs into FLOPs at the probe's matmul rate
+    (compiler/rates.py)."""
     graphs = [_Graph(fw.graph)] + ([_Graph(bw.graph)] if bw is not None else [])
     unit_of, merges = _units(graphs)
     for g in graphs:
@@ -93,7 +99,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     out_bytes = {u: sizes.total(ns) for u, ns in saved_by_unit.items()}
     base = sizes.total([n for n in f.nodes if n.op == "placeholder" and not _is_param(n)]
                        + [n for n in saved if n not in f.owner])
-    work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused)
+    work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused, inductor=inductor)
     flops_fw, traffic_fw = f.flops(sizes, flop_scale), f.traffic(sizes)
     weights, fetched = _weights(graphs, params, dtype)
     work_bw, flops_bw, traffic_bw, bw_order, bw_fetched = {}, {}, {}, None, {}
@@ -107,7 +113,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         lives = b.gradient_lives()
         if sizes.device.type == "cuda":
             sizes.fp32_snapshots = set(lives)
-        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents, fused=fused)
+        work_bw = b.working_sets(sizes, exclude=b.host_copies(), until=lives, inputs=tangents, fused=fused,
+                                 inductor=inductor)
         for u, extra in b.self_saved(f, sizes).items():
             work_bw[u] = work_bw.get(u, 0) + extra
         for u in fw_order:
@@ -316,16 +323,21 @@ class _Graph:
         return out
 
     def working_sets(self, sizes: "_Sizes", exclude: set[fx.Node], until: dict[fx.Node, int],
-                     inputs: list[fx.Node] = (), fused: bool = False) -> dict[int, object]:
+                     inputs: list[fx.Node] = (), fused: bool = False,
+                     inductor: bool = False) -> dict[int, object]:
         """Per unit, the most transient bytes live at once at one of its nodes (symbolic:
         the set of tensors live at that moment, judged by the current sizes). `until`
         overrides where a tensor dies; `inputs` (placeholders) count until their last use;
-        `fused` adds the unit's largest transient tensor (module docstring)."""
-        last: dict[fx.Node, int] = {}
+        `fused` adds the unit's largest transient tensor; `inductor` leaves out what
+        Inductor never writes (module docstring)."""
         end = len(self.nodes)
+        inlined, reads_at = _inlined(self.nodes, self.owner, set(until)) if inductor else (set(), {})
+        exclude = exclude | inlined
+        last: dict[fx.Node, int] = {}
         for i, n in enumerate(self.nodes):
             for a in n.all_input_nodes:
-                last[_base(a)] = end if n.op == "output" else i
+                at = end if n.op == "output" else reads_at.get(n, i)
+                last[_base(a)] = max(last.get(_base(a), at), at)
         last.update(until)
         live: dict[fx.Node, int] = {}
         frees: dict[int, list[fx.Node]] = {}

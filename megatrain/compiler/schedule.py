@@ -47,11 +47,11 @@ class StepSchedule:
 
 
 def step_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[torch.nn.Parameter],
-                 device: torch.device, dtype: torch.dtype, fused: bool = False):
+                 device: torch.device, dtype: torch.dtype, fused: bool = False, inductor: bool = False):
     """(the planner's problem read off the graph pair, the rates it is planned with)."""
     rates = compile_rates(device)
     scale = kernel_flop_scales([fw.graph] + ([bw.graph] if bw is not None else []), device, rates)
-    return build_problem(fw, bw, params, device, dtype, fused, scale), rates
+    return build_problem(fw, bw, params, device, dtype, fused, scale, inductor), rates
 
 
 def planner_options(prefetch: int, offload: bool, keep_weights: bool, training: bool,
@@ -65,15 +65,17 @@ def schedule_step(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
                   device: torch.device, dtype: torch.dtype, budget: int, prefetch: int,
                   offload: bool = True, fused: bool = False, keep_weights: bool = False,
                   region_names: dict[int, str] | None = None, param_names: list[str] = (),
-                  problem: tuple | None = None, offload_room: int | None = None) -> StepSchedule:
+                  problem: tuple | None = None, offload_room: int | None = None,
+                  inductor: bool = False) -> StepSchedule:
     """Plan one step of the graph pair (`bw=None`: forward only) within `budget` bytes;
     `offload`: boundary activations may wait in host memory between the passes; `fused`:
-    Inductor lowers the graphs (problem.py counts its fused kernels' working sets);
+    Inductor lowers the graphs to Triton kernels (problem.py counts their working sets);
+    `inductor`: Inductor lowers them, on any device (what it never writes is not counted);
     `keep_weights`: regions may keep their forward weights for their backward;
     `region_names` and `param_names` name graph regions and parameters in what it says;
     `problem`: step_problem's answer for this pair with these arguments, if already read;
     `offload_room`: the most bytes of activations the plan may park in host memory."""
-    sp, rates = problem if problem is not None else step_problem(fw, bw, params, device, dtype, fused)
+    sp, rates = problem if problem is not None else step_problem(fw, bw, params, device, dtype, fused, inductor)
     joined = joined_streaming(sp, region_names or {}, param_names)
     if joined:
         warnings.warn(f"megatrain: {joined}", stacklevel=3)

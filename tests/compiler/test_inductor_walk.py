@@ -1,0 +1,128 @@
+"""Where Inductor lowers to GPU kernels the planner's liveness walk leaves out the
+pointwise results Inductor computes inside their readers' loops and never writes
+(op_costs.inlined), and holds their inputs until those readers run. The rule, on
+hand-built graphs; then the contract it must keep: a step at a long sequence (the norms'
+fp32 [S, hidden] chains, the MLP's elementwise ones), planned at the least budget it fits,
+allocates no more than the plan under Inductor, on the CPU where the allocator can be
+measured."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import megatrain
+from megatrain.compiler import op_costs
+from megatrain.compiler.options import Options
+from megatrain.errors import MegatrainValueError
+from megatrain.plan.search import InfeasibleBudget
+from tests.compiler.helpers import compile_streamed, cpu_peak_bytes
+from tests.compiler.test_op_costs import _build
+from tests.compiler.test_token_chunks import _hf_llama, _own_llama
+
+aten = torch.ops.aten
+
+
+def test_single_reader_chains_are_inlined_and_what_a_matmul_reads_is_written():
+    t, h = random.randint(3, 40), random.randint(2, 30)
+    names = {}
+
+    def make(node, placeholder):
+        x = placeholder("x", t, h)
+        w = placeholder("w", h, h)
+        up = node(aten.mul.Tensor, x, x)  # one pointwise reader: inlined
+        more = node(aten.add.Tensor, up, x)  # read by the product: written
+        prod = node(aten.mm.default, more, w)
+        sq = node(aten.mul.Tensor, prod, prod)  # read by a reduction: inlined
+        total = node(aten.sum.default, sq)  # a reduction: its result is written
+        names.update(up=up, more=more, sq=sq, total=total, prod=prod)
+        return [total]
+
+    nodes = _build(make)
+    owner = {n: 0 for n in nodes if n.op == "call_function"}
+    inlined, reads_at = op_costs.inlined(nodes, owner)
+    assert inlined == {names["up"], names["sq"]}
+    # `up` reads x where `more` runs; `sq` reads the product where the sum runs
+    assert reads_at[names["up"]] == nodes.index(names["more"])
+    assert reads_at[names["sq"]] == nodes.index(names["total"])
+    # what another unit reads, or what the caller says is written, is written
+    owner[names["more"]] = 1
+    assert names["up"] not in op_costs.inlined(nodes, owner)[0]
+    owner[names["more"]] = 0
+    assert names["sq"] not in op_costs.inlined(nodes, owner, {names["sq"]})[0]
+
+
+@pytest.mark.parametrize("case", ["cheap", "many_reads", "transcendental"])
+def test_a_result_several_kernels_read_is_inlined_only_when_cheap(case):
+    """Shared by two readers, a cast is recomputed in each; one that reads five buffers,
+    or calls exp, is written once (Inductor's realize thresholds)."""
+    t, h = random.randint(3, 40), random.randint(2, 30)
+    names = {}
+
+    def make(node, placeholder):
+        xs = [placeholder(f"x{i}", t, h) for i in range(5)]
+        if case == "cheap":
+            shared = node(aten.mul.Tensor, xs[0], xs[1])
+        elif case == "many_reads":
+            shared = xs[0]
+            for x in xs[1:]:
+                shared = node(aten.add.Tensor, shared, x)  # each add one reader: inlined
+        else:
+            shared = node(aten.exp.default, xs[0])
+        a = node(aten.sum.dim_IntList, shared, [1])
+        b = node(aten.amax.default, shared, [0])
+        names["shared"] = shared
+        return [a, b]
+
+    nodes = _build(make)
+    owner = {n: 0 for n in nodes if n.op == "call_function"}
+    assert (names["shared"] in op_costs.inlined(nodes, owner)[0]) == (case == "cheap")
+
+
+def _least_budget(build, seq, walk):
+    model, loss_of = build(seq, ffn=128)
+    ids = torch.randint(0, 128, (1, seq))
+    torch._dynamo.reset()
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": 1 << 16,
+                                    "kernels": False, "token_chunks": False})
+    with megatrain.config.patch(memory_walk=walk), pytest.raises(InfeasibleBudget) as info:
+        loss_of(step, ids, ids)
+    return info.value.min_budget
+
+
+@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own_llama", "hf_llama"])
+def test_a_long_step_planned_for_fused_kernels_measures_within_the_inductor_walk(build, monkeypatch):
+    """Planned as for Inductor's GPU kernels (the walk leaves out what Inductor never
+    writes and pads each region with its largest transient), a long step plans leaner than
+    under the node-by-node walk, and run at the least budget the walk allows, Inductor's CPU
+    step allocates no more than the plan. fp32: the CPU's bf16 kernels allocate scratch of
+    their own that the walk does not model (a GPU's do not), so the CPU can referee only
+    fp32; the GPU tests check bf16."""
+    monkeypatch.setattr(Options, "fused_lowering", property(lambda self: self.lowering == "inductor"))
+    seq = random.choice([1024, 1536, 2048])
+    walk, nodes = _least_budget(build, seq, "inductor"), _least_budget(build, seq, "nodes")
+    assert walk < nodes, (walk, nodes)
+    torch.manual_seed(random.randint(0, 10**6))
+    model, loss_of = build(seq, ffn=128)
+    torch._dynamo.reset()
+    budget = walk + walk // 50
+    step = compile_streamed(model, {"device": "cpu", "precision": "fp32", "gpu_memory": budget,
+                                    "kernels": False, "token_chunks": False})
+    ids, labels = torch.randint(0, 128, (1, seq)), torch.randint(0, 128, (1, seq))
+
+    def run():
+        loss_of(step, ids, labels).backward()
+
+    run()  # compiles; the next step is measured
+    model.zero_grad(set_to_none=True)
+    peak = cpu_peak_bytes(run)
+    plan = megatrain.explain(step)
+    assert peak <= plan.predicted_peak_bytes <= budget, (peak, plan.predicted_peak_bytes, budget)
+
+
+def test_an_unknown_memory_walk_is_refused_with_the_fix():
+    opts = Options(device=torch.device("cuda"), gpu_memory=1 << 30)
+    with megatrain.config.patch(memory_walk="fused"), pytest.raises(MegatrainValueError, match="nodes"):
+        opts.inductor_walk

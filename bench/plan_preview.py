@@ -2,11 +2,11 @@
 
 The planner sees the same graph pair on any device: this traces the bench's Llama preset
 through the backend with device "cpu" and Inductor lowering (so Inductor's joint-graph
-passes run), plans it as the H200 compile would (`fused=True`: the CUDA lowering's margin
-for a fused kernel's transient), prints the plan and stops before anything compiles or
-runs. Parameters are left uninitialised (their values do not enter the plan), so a 3B
-model needs its 13 GB of fp32 host memory but no init time. At 1.3B width, 8 layers, 16k
-tokens, 12 GiB it gives the 8.969 GiB predicted peak the H200's bench rows recorded.
+passes run), plans it as a CUDA compile would (`Options.fused_lowering`: the walk's pad for
+a fused kernel's transient, and the results Inductor never writes left out; the
+kept-activations chooser scores the same way), prints the plan and stops before anything
+compiles or runs. Parameters are left uninitialised (their values do not enter the plan),
+so a 3B model needs its 13 GB of fp32 host memory but no init time.
 
     python bench/plan_preview.py --model 3b --tokens 16384 --gpu-memory 12GiB
     python bench/plan_preview.py --model 1.3b --layers 8 --tokens 16384 --gpu-memory 12GiB
@@ -101,8 +101,8 @@ def _stop_after_planning(sites: bool = False, rates=None):
     `sites`, stopping after the update sites are chosen instead (the backend's own choice,
     made once the plan exists and the backward's gradient hand-offs are known). `rates`:
     plan with these instead of this machine's (a GPU run's `planned_rates`)."""
-    import megatrain
     import megatrain.compiler.backend as backend
+    from megatrain.compiler import options as options_mod
     from megatrain.compiler import keep as keep_mod
     from megatrain.compiler import rates as rates_mod
     from megatrain.compiler import schedule as schedule_mod
@@ -116,11 +116,11 @@ def _stop_after_planning(sites: bool = False, rates=None):
 
     def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
             keep_weights=False, problem=None, inductor=False, **names):
-        # a problem the backend read off the pair is dropped: it was read with the CPU's
-        # lowering (fused=False, the node-by-node walk), and the preview plans as on CUDA
+        # the backend's problem (if it read one) was read as on CUDA too: Options.fused_lowering
+        # is patched below, so the kept-activations chooser and this plan count alike
         try:
             schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights,
-                            inductor=megatrain.config.memory_walk == "inductor", **names)
+                            problem=problem, inductor=inductor, **names)
         except Exception as e:  # InfeasibleBudget: its message is the answer
             raise _Planned(error=e) from None
         if not sites:
@@ -154,6 +154,10 @@ def _stop_after_planning(sites: bool = False, rates=None):
         return chosen, plain, choice
 
     keep_mod.choose = keep_spy
+    # the planner counts working sets as for Inductor's GPU kernels (the walk's pad for a
+    # fused kernel, and what Inductor never writes left out), in the chooser's scoring too
+    real_fused = options_mod.Options.fused_lowering
+    options_mod.Options.fused_lowering = property(lambda self: self.lowering == "inductor")
     if rates is not None:
         schedule_mod.compile_rates = lambda device: rates
     try:
@@ -163,6 +167,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
         streamer_mod.Streamer.cast_staging_bytes = real_staging
         schedule_mod.compile_rates = real_rates
         rates_mod.CALIBRATED, keep_mod.choose = real_calibrated, real_keep
+        options_mod.Options.fused_lowering = real_fused
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,

@@ -270,6 +270,8 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
         srcs, count, hot = set(), 1, t.overloadpacket.__name__ in _HEAVY
         for a in n.all_input_nodes:
             s = _source(a)
+            if _constant(s):
+                continue  # a value Inductor writes into the expression, not a buffer it reads
             if s in out:
                 srcs |= reads[s]
                 count += ops[s]
@@ -292,6 +294,16 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
         if n in out:
             reads_at[n] = max(reads_at.get(r, len(nodes) if r.op == "output" else pos[r]) for r in readers(n))
     return out, reads_at
+
+
+# Ops that make a tensor from scalars alone: Inductor lowers them to a constant expression
+# inside each reader, so they are no buffer read.
+_CONSTANTS = (torch.ops.aten.scalar_tensor.default, torch.ops.aten.full.default,
+              torch.ops.aten.zeros.default, torch.ops.aten.ones.default)
+
+
+def _constant(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _CONSTANTS and not n.all_input_nodes
 
 
 def _source(a: fx.Node) -> fx.Node:

@@ -81,6 +81,28 @@ def test_a_result_several_kernels_read_is_inlined_only_when_cheap(case):
     assert (names["shared"] in op_costs.inlined(nodes, owner)[0]) == (case == "cheap")
 
 
+@pytest.mark.parametrize("buffers", [4, 5])
+def test_scalar_constants_are_no_buffer_reads(buffers):
+    """A result two reductions read is recomputed in each while its expression reads at most
+    four buffers; tensors made from scalars alone (a loss's one-hot scale, its ignore value)
+    are constants inside the expression, not reads (Inductor's num_reads)."""
+    t, h = random.randint(3, 40), random.randint(2, 30)
+    names = {}
+
+    def make(node, placeholder):
+        xs = [placeholder(f"x{i}", t, h) for i in range(buffers)]
+        shared = node(aten.where.self, node(aten.gt.Scalar, xs[0], 0.0), node(aten.scalar_tensor.default, -1.0),
+                      node(aten.scalar_tensor.default, 0.0))
+        for x in xs[1:]:
+            shared = node(aten.mul.Tensor, shared, x)
+        names["shared"] = shared
+        return [node(aten.sum.dim_IntList, shared, [1]), node(aten.amax.default, shared, [0])]
+
+    nodes = _build(make)
+    owner = {n: 0 for n in nodes if n.op == "call_function"}
+    assert (names["shared"] in op_costs.inlined(nodes, owner)[0]) == (buffers <= 4)
+
+
 def _least_budget(build, seq, walk):
     model, loss_of = build(seq, ffn=128)
     ids = torch.randint(0, 128, (1, seq))

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402  (bench/hf_train.py's Hugging Face models, built from configs)
 from train import _config  # noqa: E402  (the bench's presets and depth override)
 
 
@@ -170,6 +171,18 @@ def _stop_after_planning(sites: bool = False, rates=None):
         options_mod.Options.fused_lowering = real_fused
 
 
+def _hf_model(cfg):
+    """The Hugging Face model of `cfg` in train mode, with SDPA where transformers allows
+    it (as bench/hf_train.py builds it)."""
+    import transformers
+
+    try:
+        net = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    except ValueError:  # a class refusing SDPA (Gemma2's soft-capping)
+        net = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    return net.train()
+
+
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
             keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
             rates=None, host_memory: str | None = None, token_chunks: bool = False):
@@ -185,16 +198,30 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     from megatrain.compiler.options import parse_bytes
     from megatrain.models import Llama
 
-    cfg = _config(model, layers)
-    with torch.device("meta"):
-        net = Llama(cfg)
-    net = net.to_empty(device="cpu")
+    if model in hf_models.MODELS:
+        cfg = hf_models.config(model)
+        if layers:
+            cfg.num_hidden_layers = layers
+        with torch.device("meta"):
+            net = _hf_model(cfg)
+        loss_of = lambda ids: net_step(input_ids=ids, labels=ids).loss  # noqa: E731
+    else:
+        cfg = _config(model, layers)
+        with torch.device("meta"):
+            net = Llama(cfg)
+        loss_of = lambda ids: net_step(ids, labels=ids)  # noqa: E731
+    net = net.to_empty(device="cpu")  # new parameters: a meta tensor has no storage to keep
+    if model in hf_models.MODELS:
+        net.tie_weights()  # so tied ones are one parameter again, as from_config made them
     for b in net.buffers():
         b.zero_()
     # the parameters' owner (its registry entry lives as long as it does)
     owner = megatrain.AdamW(net.parameters()) if updates else None
-    step = torch.compile(net, backend="megatrain",
-                         options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory})
+    # a Hugging Face model as bench/hf_systems.py compiles it: the loop reads only the loss
+    # (the consent option), so its logits are neither made nor copied back
+    outputs = {"outputs": "loss"} if model in hf_models.MODELS else {}
+    net_step = torch.compile(net, backend="megatrain",
+                             options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory, **outputs})
     # probe_rates off: this machine's kernels say nothing of the GPU the plan is for (a
     # GPU row's own kernel rates are not recorded, so its products go at its matmul rate)
     forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
@@ -206,7 +233,7 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     options_mod._host_memory = lambda value: budget
     with _stop_after_planning(sites=bool(updates), rates=rates), megatrain.config.patch(**forced):
         try:
-            step(ids, labels=ids)
+            loss_of(ids)
         except Exception as e:
             found = e
             while found is not None and not isinstance(found, _Planned):
@@ -222,7 +249,8 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="1.3b", choices=["1.3b", "3b", "8b", "tiny"])
+    p.add_argument("--model", default="1.3b", choices=["1.3b", "3b", "8b", "tiny", *hf_models.MODELS],
+                   help="a bench preset, or a Hugging Face model of bench/hf_train.py")
     p.add_argument("--layers", type=int, default=None, help="depth at the preset's width")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seq", type=int, default=2048)

@@ -83,3 +83,22 @@ def test_prediction_check_replans_a_recorded_row_with_its_rates(tmp_path, capsys
     assert prediction_check.main(["--rows", str(rows), "--model", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "1 rows" in out and "mean absolute error, sited" in out
+
+
+def test_preview_plans_a_hugging_face_model_as_the_hf_bench_compiles_it():
+    """A model of bench/hf_train.py (here Qwen2-1.5B's width, one layer): built on the meta
+    device and emptied in place, so its tied embedding stays one weight that two regions
+    fetch; compiled as the HF bench does (outputs="loss"), so the planned step holds no
+    [tokens, vocab] logits for the caller."""
+    import hf_models
+
+    cfg = hf_models.config("qwen2-1.5b")
+    tokens, vocab, hidden = 512, cfg.vocab_size, cfg.hidden_size
+    schedule, error, _ = preview("qwen2-1.5b", 1, tokens=tokens, seq=256, gpu_memory="3GiB")
+    assert error is None, error
+    problem = schedule.plan.schedule.problem
+    tied = [w for w in problem.weights if w.nbytes >= vocab * hidden * 2]
+    assert len(tied) == 1, [w.nbytes for w in problem.weights]
+    assert sum(1 for r in problem.regions if tied[0].id in r.reads("fw")) == 2
+    # the forward's working sets hold no bf16 logits for the caller
+    assert max(int(r.work_fw) for r in problem.regions) < tokens * vocab * 2

@@ -185,14 +185,18 @@ def _hf_model(cfg):
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
             keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
-            rates=None, host_memory: str | None = None, token_chunks: bool = False):
+            rates=None, host_memory: str | None = None, token_chunks: bool = False,
+            outputs: str | None = None):
     """(StepSchedule, None, UpdateSites or None), or (None, the planner's error, None).
     With `updates`, a megatrain.AdamW owns the parameters (update sites are chosen only for
     the gradients handed to it), and the preview stops once the backend chose them.
     `host_memory`: the host budget of the machine planned for (the keep chooser refuses
     mixes whose offloads it cannot hold); None: unbounded, not this machine's RAM.
     `token_chunks`: the MLPs run a chunk of the sequence at a time (what the backend falls
-    back to after the fused loss; the preview stops at the first plan, so it is forced)."""
+    back to after the fused loss; the preview stops at the first plan, so it is forced).
+    `outputs`: the consent option; None: "loss" for a Hugging Face model (the HF bench's
+    loop reads only the loss), the default "all" for the bench's own Llama (whose forward
+    returns the loss alone)."""
     import megatrain
     from megatrain.compiler import options as options_mod
     from megatrain.compiler.options import parse_bytes
@@ -219,9 +223,10 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     owner = megatrain.AdamW(net.parameters()) if updates else None
     # a Hugging Face model as bench/hf_systems.py compiles it: the loop reads only the loss
     # (the consent option), so its logits are neither made nor copied back
-    outputs = {"outputs": "loss"} if model in hf_models.MODELS else {}
+    outputs = outputs or ("loss" if model in hf_models.MODELS else "all")
     net_step = torch.compile(net, backend="megatrain",
-                             options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory, **outputs})
+                             options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory,
+                                      "outputs": outputs})
     # probe_rates off: this machine's kernels say nothing of the GPU the plan is for (a
     # GPU row's own kernel rates are not recorded, so its products go at its matmul rate)
     forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
@@ -271,10 +276,12 @@ def main(argv=None) -> int:
     p.add_argument("--token-chunks", action="store_true",
                    help="the MLPs run a chunk of the sequence at a time (the backend's fallback "
                         "after the fused loss)")
+    p.add_argument("--outputs", default=None, choices=("loss", "all"),
+                   help="the consent option (default: loss for a Hugging Face model, as the HF bench)")
     args = p.parse_args(argv)
     schedule, error, sites = preview(args.model, args.layers, args.tokens, args.seq, args.gpu_memory,
                                      args.keep_weights, args.kernels, args.updates, _rates(args.rates),
-                                     args.host_memory, args.token_chunks)
+                                     args.host_memory, args.token_chunks, args.outputs)
     if error is not None:
         print(f"no plan: {error}")
         if not args.kernels:

@@ -94,11 +94,16 @@ def test_preview_plans_a_hugging_face_model_as_the_hf_bench_compiles_it():
 
     cfg = hf_models.config("qwen2-1.5b")
     tokens, vocab, hidden = 512, cfg.vocab_size, cfg.hidden_size
-    schedule, error, _ = preview("qwen2-1.5b", 1, tokens=tokens, seq=256, gpu_memory="3GiB")
-    assert error is None, error
-    problem = schedule.plan.schedule.problem
+    planned = {}
+    for outputs in ("loss", "all"):
+        schedule, error, _ = preview("qwen2-1.5b", 1, tokens=tokens, seq=256, gpu_memory="3GiB",
+                                     kernels="linear_cross_entropy", outputs=outputs)
+        assert error is None, error
+        planned[outputs] = schedule.plan.schedule.problem
+    problem = planned["loss"]
     tied = [w for w in problem.weights if w.nbytes >= vocab * hidden * 2]
     assert len(tied) == 1, [w.nbytes for w in problem.weights]
     assert sum(1 for r in problem.regions if tied[0].id in r.reads("fw")) == 2
-    # the forward's working sets hold no bf16 logits for the caller
-    assert max(int(r.work_fw) for r in problem.regions) < tokens * vocab * 2
+    # returning the logits makes the head's forward hold them: [tokens, vocab] in bf16
+    head = lambda p: max(int(r.work_fw) for r in p.regions)  # noqa: E731
+    assert head(planned["all"]) - head(problem) >= tokens * vocab * 2

@@ -11,7 +11,9 @@ like any torch op (their custom ops carry fakes and autograd formulas).
     cross_entropy(linear(h, W).view(-1, V).float(), t, ignore_index=i, reduction=r)
                                                      ->  linear_cross_entropy(h, W, t, i, r)
         (the linear stays where its logits are also returned: Hugging Face's ForCausalLMLoss
-        upcasts, shifts the labels and takes "sum" over num_items_in_batch, all matched)
+        upcasts, shifts the labels and takes "sum" over num_items_in_batch, all matched;
+        logits soft-capped as tanh(z / c) * c before it, Gemma 2's, fuse where only the
+        loss reads them: linear_cross_entropy(h, W, t, i, r, softcap=c))
 
 Matching is by hand, not torch.fx.subgraph_rewriter: dynamo spells one op several ways
 (operator.mul / torch.mul / Tensor.mul, x.float() / x.to(torch.float32), chunk / slicing),
@@ -35,10 +37,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from megatrain.kernels.fused_linear_cross_entropy import (
     default_chunk_size,
@@ -47,6 +45,23 @@ from megatrain.kernels.fused_linear_cross_entropy import (
 from megatrain.kernels.rmsnorm import MAX_HIDDEN, rms_norm
 from megatrain.kernels.rope import apply_rotary
 from megatrain.kernels.swiglu import swiglu
+
+from .fx_match import (
+    _VIEWS,
+    _arg,
+    _binary,
+    _cast_dtype,
+    _eq,
+    _erase,
+    _is_last_dim,
+    _is_number,
+    _kind,
+    _new,
+    _same_shape,
+    _sole_user,
+    _upcast_of,
+    _val,
+)
 
 PATTERNS = ("rmsnorm", "rope", "swiglu", "linear_cross_entropy")
 # The pass's own default (`enabled=None`), not the backend's. Standalone
@@ -60,136 +75,6 @@ PATTERNS = ("rmsnorm", "rope", "swiglu", "linear_cross_entropy")
 # is applied automatically only when the memory budget needs it (backend.py: a graph whose plan
 # does not fit gpu_memory is planned again with it).
 DEFAULT: frozenset[str] = frozenset(PATTERNS)
-
-_FUNCTIONS = {
-    operator.mul: "mul", torch.mul: "mul", operator.add: "add", torch.add: "add",
-    operator.neg: "neg", torch.neg: "neg", operator.pow: "pow", torch.pow: "pow",
-    torch.rsqrt: "rsqrt", torch.mean: "mean", torch.cat: "cat", torch.concat: "cat",
-    torch.chunk: "chunk", operator.getitem: "getitem", F.silu: "silu", F.linear: "linear",
-    F.cross_entropy: "cross_entropy", torch.flatten: "flatten", torch.reshape: "reshape",
-    torch._C._nn.silu: "silu",
-}
-_METHODS = {"__mul__": "mul", "__rmul__": "mul", "__add__": "add", "__radd__": "add",
-            "__neg__": "neg", "__pow__": "pow"}
-_VIEWS = {"view", "reshape", "flatten", "contiguous"}
-
-
-# --- reading dynamo's graph -------------------------------------------------------------
-
-def _kind(n) -> str | None:
-    """One name per op whatever the spelling: call_function torch.*/operator.* or a method."""
-    if not isinstance(n, fx.Node):
-        return None
-    if n.op == "call_function":
-        return _FUNCTIONS.get(n.target)
-    if n.op == "call_method":
-        return _METHODS.get(n.target, n.target)
-    return None
-
-
-def _val(n):
-    v = n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _arg(n: fx.Node, i: int, name: str, default=None):
-    """Argument `i` (counting self for methods) or keyword `name`."""
-    return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
-
-
-def _binary(n, kind: str):
-    """(a, b) of a plain binary op `kind` (no alpha/out kwargs), else None."""
-    if _kind(n) == kind and len(n.args) == 2 and not n.kwargs:
-        return n.args
-    return None
-
-
-def _sole_user(n: fx.Node, user: fx.Node) -> bool:
-    return set(n.users) == {user}
-
-
-def _eq(a, b) -> bool:
-    """True only when a == b holds for every value of the shapes' symbols (no new guards)."""
-    return statically_known_true(a == b)
-
-
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dim() == b.dim() and all(_eq(x, y) for x, y in zip(a.shape, b.shape))
-
-
-def _is_last_dim(dim, ndim: int) -> bool:
-    if isinstance(dim, (list, tuple)) and len(dim) == 1:
-        dim = dim[0]
-    return isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, ndim - 1)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _upcast_of(n):
-    """x for `x.float()` / `x.to(torch.float32)` / `x.to(dtype=torch.float32)`, else None."""
-    k = _kind(n)
-    if k == "float" and len(n.args) == 1 and not n.kwargs:
-        return n.args[0]
-    if k == "to" and _cast_dtype(n) == torch.float32:
-        return n.args[0]
-    return None
-
-
-def _cast_dtype(n: fx.Node):
-    """The dtype of a pure dtype cast `t.to(dtype)` / `t.to(dtype=...)`, else None."""
-    if len(n.args) == 2 and not n.kwargs and isinstance(n.args[1], torch.dtype):
-        return n.args[1]
-    if len(n.args) == 1 and set(n.kwargs) == {"dtype"} and isinstance(n.kwargs["dtype"], torch.dtype):
-        return n.kwargs["dtype"]
-    return None
-
-
-# --- editing it ---------------------------------------------------------------------------
-
-_VALUE_KEYS = ("example_value", "val", "tensor_dict", "unbacked_bindings")
-
-
-def _raw(a):
-    return a.meta.get("example_value", a.meta.get("val"))
-
-
-def _fake_run(op: str, target, args, kwargs):
-    """The new node's example_value: run it on its inputs' fake values (None without them)."""
-    inputs = []
-    fx.node.map_arg((args, kwargs), inputs.append)
-    if any(_raw(a) is None for a in inputs):
-        return None
-    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), _raw)
-    # The values' own mode: in the backend, TracingContext may hold another one.
-    modes = {id(v.fake_mode): v.fake_mode for v in pytree.tree_leaves([fake_args, fake_kwargs])
-             if isinstance(v, FakeTensor)}
-    if len(modes) != 1:
-        return None
-    (mode,) = modes.values()
-    with mode:
-        if op == "call_method":
-            return getattr(fake_args[0], target)(*fake_args[1:], **fake_kwargs)
-        return target(*fake_args, **fake_kwargs)
-
-
-def _new(graph: fx.Graph, op: str, target, args, meta_from: fx.Node, kwargs=None) -> fx.Node:
-    """A node carrying `meta_from`'s meta (module stack, stack trace) and its own value."""
-    kwargs = kwargs or {}
-    node = graph.create_node(op, target, tuple(args), kwargs)
-    node.meta.update({k: v for k, v in meta_from.meta.items() if k not in _VALUE_KEYS})
-    value = _fake_run(op, target, args, kwargs)
-    if value is not None:
-        node.meta["example_value"] = value
-    return node
-
-
-def _erase(graph: fx.Graph, nodes: Iterable[fx.Node]) -> None:
-    """Erase a replaced pattern, users first (all of it is dead once its outputs are replaced)."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for n in sorted(set(nodes), key=order.__getitem__, reverse=True):
-        graph.erase_node(n)
 
 
 # --- RMSNorm ------------------------------------------------------------------------------
@@ -469,12 +354,15 @@ _CE_PARAMS = (("input", None), ("target", None), ("weight", None), ("size_averag
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         ignore_index: int = -100, reduction: str = "mean") -> torch.Tensor:
-    """F.cross_entropy(F.linear(hidden, weight).view(-1, V).float(), labels) without logits.
+                         ignore_index: int = -100, reduction: str = "mean",
+                         softcap: float | None = None) -> torch.Tensor:
+    """F.cross_entropy(F.linear(hidden, weight).view(-1, V).float(), labels) without logits;
+    with `softcap`, of the logits capped to softcap * tanh(z / softcap) first (Gemma 2).
 
     Under autocast the lm_head matmul would run in the autocast dtype, so the kernel's does
-    too. The chunk size depends on the vocabulary only: a dynamic token count is not
-    specialised by the wrapper's token-count-based default.
+    too. The cap is computed in fp32 (a model in bf16 computes it in bf16: the two differ by
+    the capped logits' bf16 rounding). The chunk size depends on the vocabulary only: a
+    dynamic token count is not specialised by the wrapper's token-count-based default.
     """
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
@@ -482,7 +370,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk = default_chunk_size(1 << 62, weight.shape[0], hidden.element_size())
-    return fused_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction, chunk)
+    return fused_linear_cross_entropy(hidden, weight, labels, ignore_index, reduction, chunk, softcap)
 
 
 def _match_linear_ce(ce: fx.Node):
@@ -504,6 +392,11 @@ def _match_linear_ce(ce: fx.Node):
             return None
         chain.append(n)
         user, n = n, n.args[0]
+    softcap = None
+    capped = _soft_cap(n, user)
+    if capped is not None:
+        softcap, cap_nodes, user, n = capped
+        chain.extend(cap_nodes)
     if _kind(n) != "linear" or len(n.args) < 2 or _arg(n, 2, "bias") is not None:
         return None
     hidden, weight, target = n.args[0], n.args[1], a["target"]
@@ -514,8 +407,25 @@ def _match_linear_ce(ce: fx.Node):
         return None
     # Logits the model also returns (Hugging Face's causal LMs do) are still computed for
     # that output, once, and not kept for the backward; the loss recomputes them in chunks.
-    return (hidden, weight, target, a["ignore_index"], a["reduction"]), \
+    return (hidden, weight, target, a["ignore_index"], a["reduction"], softcap), \
         [n, *chain] if _sole_user(n, user) else chain
+
+
+def _soft_cap(n: fx.Node, user: fx.Node):
+    """`tanh(x / c) * c` (either operand order of the product, the same number c > 0, each
+    node read by the next alone) -> (c, its nodes, the division, x), else None."""
+    pair = _binary(n, "mul") if _sole_user(n, user) else None
+    if pair is None:
+        return None
+    t, c = pair if _is_number(pair[1]) else pair[::-1]
+    if not (_is_number(c) and c > 0 and _kind(t) == "tanh" and len(t.args) == 1 and not t.kwargs
+            and _sole_user(t, n)):
+        return None
+    div = t.args[0]
+    quotient = _binary(div, "div")
+    if quotient is None or not _sole_user(div, t) or not _is_number(quotient[1]) or quotient[1] != c:
+        return None
+    return float(c), [n, t, div], div, quotient[0]
 
 
 def _replace_linear_ce(graph: fx.Graph) -> int:

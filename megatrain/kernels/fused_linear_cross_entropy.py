@@ -47,9 +47,24 @@ LOGITS_CHUNK_BYTES = 512 * 2**20  # default budget for one chunk of logits
 
 
 @triton.jit
-def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_vocab, ignore_index,
-                         WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One row: loss = lse - logit[label]; logits <- (softmax - onehot) * scale, in place."""
+def _tanh(y):
+    """tanh in fp32 from exp alone (libdevice's does not run under TRITON_INTERPRET): the
+    odd Taylor series up to y^7 where |y| < 0.1 (error < 3e-11 there, where the exp form
+    would lose digits to cancellation), (1 - e^-2|y|) / (1 + e^-2|y|) with the sign beyond."""
+    a = tl.abs(y)
+    e = tl.exp(-2.0 * a)
+    y2 = y * y
+    small = a * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+    t = tl.where(a < 0.1, small, (1.0 - e) / (1.0 + e))
+    return tl.where(y < 0.0, -t, t)
+
+
+@triton.jit
+def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_vocab, ignore_index, softcap,
+                         WRITE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One row: loss = lse - logit[label]; logits <- (softmax - onehot) * scale, in place.
+    With SOFTCAP each logit z is first capped, softcap * tanh(z / softcap) (Gemma 2's final
+    logits), and its gradient carries the cap's derivative, 1 - tanh^2."""
     row = tl.program_id(0).to(tl.int64)
     LOGITS += row * n_vocab
     label = tl.load(LABELS + row).to(tl.int64)
@@ -58,12 +73,18 @@ def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_vocab, ignore_index,
     d = 0.0
     for v0 in range(0, n_vocab, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(LOGITS + cols, mask=cols < n_vocab, other=float("-inf")).to(tl.float32)
+        mask = cols < n_vocab
+        x = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x = softcap * _tanh(x / softcap)
+        x = tl.where(mask, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(d)
     target = tl.load(LOGITS + label, mask=valid, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        target = softcap * _tanh(target / softcap)
     tl.store(LOSS + row, tl.where(valid, lse - target, 0.0))
     if WRITE_GRAD:
         scale = tl.where(valid, tl.load(SCALE), 0.0)
@@ -71,8 +92,13 @@ def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_vocab, ignore_index,
             cols = v0 + tl.arange(0, BLOCK_V)
             mask = cols < n_vocab
             x = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
-            p = tl.exp(x - lse)
-            g = tl.where(cols == label, p - 1.0, p) * scale
+            if SOFTCAP:
+                t = _tanh(x / softcap)
+                p = tl.exp(softcap * t - lse)
+                g = tl.where(cols == label, p - 1.0, p) * scale * (1.0 - t * t)
+            else:
+                p = tl.exp(x - lse)
+                g = tl.where(cols == label, p - 1.0, p) * scale
             tl.store(LOGITS + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
 
 
@@ -101,7 +127,7 @@ def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
         torch._assert_async(~bad.any(), "fused_linear_cross_entropy: label outside [0, vocab)")
 
 
-def _forward(hidden, weight, labels, ignore_index, reduction, chunk_size, need_gh, need_gw):
+def _forward(hidden, weight, labels, ignore_index, reduction, chunk_size, need_gh, need_gw, softcap=0.0):
     hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
     n_tokens, _ = hidden.shape
     vocab = weight.shape[0]
@@ -129,7 +155,8 @@ def _forward(hidden, weight, labels, ignore_index, reduction, chunk_size, need_g
         with launch_context(_ce_loss_grad_kernel, dev):
             _ce_loss_grad_kernel[(end - start,)](
                 logits, labels[start:end], loss_rows[start:end], scale, vocab, ignore_index,
-                WRITE_GRAD=need_gh or need_gw, BLOCK_V=block_v, num_warps=num_warps_for(block_v),
+                float(softcap) if softcap else 1.0, WRITE_GRAD=need_gh or need_gw, SOFTCAP=bool(softcap),
+                BLOCK_V=block_v, num_warps=num_warps_for(block_v),
             )
         if need_gh:
             torch.mm(logits, weight, out=grad_h[start:end])
@@ -147,15 +174,17 @@ def _forward(hidden, weight, labels, ignore_index, reduction, chunk_size, need_g
 def fused_linear_cross_entropy_op(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int,
     reduction: str, chunk_size: int, need_grad_hidden: bool, need_grad_weight: bool,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (loss fp32 scalar, grad_hidden or [0], grad_weight or [0]) for grad_output=1."""
+    """Returns (loss fp32 scalar, grad_hidden or [0], grad_weight or [0]) for grad_output=1;
+    `softcap` 0: the logits as they are, else capped to softcap * tanh(z / softcap)."""
     return _forward(hidden, weight, labels, ignore_index, reduction, chunk_size,
-                    need_grad_hidden, need_grad_weight)
+                    need_grad_hidden, need_grad_weight, softcap)
 
 
 @fused_linear_cross_entropy_op.register_fake
 def _(hidden, weight, labels, ignore_index, reduction, chunk_size, need_grad_hidden,
-      need_grad_weight):
+      need_grad_weight, softcap=0.0):
     loss = hidden.new_empty((), dtype=torch.float32)
     grad_h = hidden.new_empty(hidden.shape if need_grad_hidden else (0,))
     grad_w = weight.new_empty(weight.shape if need_grad_weight else (0,))
@@ -203,7 +232,7 @@ def _backward(ctx, grad_loss, _gh, _gw):
         ctx.grads, ctx.non_differentiable = [], None
         torch._foreach_mul_([grad_h, grad_w], grad_loss)  # one vectorised launch for both
     return (grad_h if need_gh else None, grad_w if need_gw else None,
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None)
 
 
 fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -211,12 +240,16 @@ fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean",
-                               chunk_size: int | None = None) -> torch.Tensor:
+                               chunk_size: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Cross entropy of (hidden @ weight.T) against labels, fp32 loss, no full logits.
 
     hidden [..., H] and labels [...] (flattened to N tokens), weight [V, H] of hidden's
     dtype. Gradients are computed in the forward only for inputs that require grad.
+    `softcap` (> 0): each logit z enters the loss as softcap * tanh(z / softcap), in fp32.
     """
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and softcap > 0):
+        raise ValueError(f"softcap={softcap!r}: give a number > 0, or None for no cap")
     check_float("hidden", hidden)
     check_float("weight", weight)
     check_same_device(hidden=hidden, weight=weight, labels=labels)
@@ -242,20 +275,23 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     loss, _, _ = fused_linear_cross_entropy_op(
         hidden2, weight.contiguous(), labels.reshape(-1).to(torch.int64).contiguous(),
         int(ignore_index), reduction, int(chunk_size),
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad, float(softcap or 0.0),
     )
     return loss
 
 
 def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor,
                                          labels: torch.Tensor, ignore_index: int = -100,
-                                         reduction: str = "mean") -> torch.Tensor:
-    """HF's path: logits in the input dtype, upcast to fp32, F.cross_entropy.
+                                         reduction: str = "mean", softcap: float | None = None) -> torch.Tensor:
+    """HF's path: logits in the input dtype, upcast to fp32 (soft-capped there, where
+    `softcap` is given), F.cross_entropy.
 
     Mean divides by max(#non-ignored, 1): equal to torch's mean except that all-ignored
     gives 0 instead of NaN.
     """
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
     labels = labels.reshape(-1)
     total = torch.nn.functional.cross_entropy(logits, labels, ignore_index=ignore_index,
                                               reduction="sum")

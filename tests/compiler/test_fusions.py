@@ -150,14 +150,14 @@ class _HFLoss(nn.Module):
     """A transformers causal LM returning (loss, logits), its loss its own ForCausalLMLoss:
     the fp32 upcast, the shifted labels and, with num_items_in_batch, a summed loss over it."""
 
-    def __init__(self, model, num_items=False):
+    def __init__(self, model, num_items=False, logits=True):
         super().__init__()
-        self.model, self.num_items = model, num_items
+        self.model, self.num_items, self.logits = model, num_items, logits
 
     def forward(self, ids, labels):
         extra = {"num_items_in_batch": (labels != -100).sum()} if self.num_items else {}
         out = self.model(input_ids=ids, labels=labels, **extra)
-        return out.loss, out.logits
+        return (out.loss, out.logits) if self.logits else out.loss
 
 
 @pytest.mark.parametrize("arch,num_items", [("llama", False), ("qwen2_tied", True)])
@@ -166,10 +166,8 @@ def test_transformers_causal_lm_loss_is_fused_and_exact(arch, num_items):
     the head's matmul stays for that output, the loss and every gradient come from the
     fused kernel, exact against the unfused graph (fp32)."""
     transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
-    common = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": LAYERS,
-              "num_attention_heads": 4, "num_key_value_heads": 2}
-    cfg = (transformers.LlamaConfig(**common) if arch == "llama"
-           else transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    cfg = (transformers.LlamaConfig(**_HF_COMMON) if arch == "llama"
+           else transformers.Qwen2Config(**_HF_COMMON, tie_word_embeddings=True))
     torch.manual_seed(0)
     model = _HFLoss(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), num_items)
     gm, reference, inputs, counts = rewrite(model, *batch(), enabled=["linear_cross_entropy"])
@@ -177,6 +175,36 @@ def test_transformers_causal_lm_loss_is_fused_and_exact(arch, num_items):
     left = targets(gm)
     assert F.cross_entropy not in left and linear_cross_entropy in left
     assert left.count(torch._C._nn.linear) == targets(reference).count(torch._C._nn.linear)
+    assert_same(gm, reference, inputs)
+
+
+_HF_COMMON = {"vocab_size": VOCAB, "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": LAYERS,
+              "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("logits", [False, True], ids=["loss_only", "logits_returned"])
+def test_gemma2_soft_capped_loss_is_fused_where_only_the_loss_reads_the_logits(logits):
+    """Gemma 2 caps its final logits, tanh(z / 30) * 30, before its ForCausalLMLoss. Where
+    only the loss reads them (outputs="loss" drops the returned logits) the cap, the
+    upcast and the cross-entropy become one fused loss with softcap=30, exact against the
+    unfused graph (fp32); where the logits are returned too, the capped logits are
+    needed as they are and nothing is fused."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    cfg = transformers.Gemma2Config(**_HF_COMMON, head_dim=12, query_pre_attn_scalar=12, sliding_window=16,
+                                    final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # logits large enough that the cap bends them
+        net.lm_head.weight.mul_(40.0)
+    gm, reference, inputs, counts = rewrite(_HFLoss(net, logits=logits), *batch(), enabled=["linear_cross_entropy"])
+    left, caps = targets(gm), targets(reference).count(torch.tanh)  # the attention's caps too
+    if logits:
+        assert counts["linear_cross_entropy"] == 0 and left.count(torch.tanh) == caps
+        return
+    assert counts["linear_cross_entropy"] == 1 and left.count(torch.tanh) == caps - 1
+    assert F.cross_entropy not in left and linear_cross_entropy in left
+    fused = [n for n in gm.graph.nodes if n.target is linear_cross_entropy]
+    assert fused[0].args[5] == 30.0
     assert_same(gm, reference, inputs)
 
 

@@ -25,6 +25,13 @@ VOCAB = 4096
 def _model(arch: str):
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2)
+    if arch == "gemma2_softcap":  # final logits capped, tanh(z / 30) * 30, before the loss
+        cfg = transformers.Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=32, sliding_window=128,
+                                        final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        with torch.no_grad():  # logits large enough that the cap bends them
+            model.lm_head.weight.mul_(40.0)
+        return model.train()
     cfg = (transformers.LlamaConfig(**common) if arch == "llama"
            else transformers.Qwen2Config(**common, tie_word_embeddings=True))
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
@@ -32,7 +39,7 @@ def _model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_tied"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2_tied", "gemma2_softcap"])
 def test_fused_hf_loss_in_bf16_is_as_close_to_float64_as_the_unfused(arch, no_tf32):
     torch.manual_seed(0)
     model = _model(arch)

@@ -50,12 +50,13 @@ def _inputs(n, h, v, ignored, dtype, device, logit_scale=1.0):
     return hidden, weight, labels
 
 
-def _check(case, dtype, device, logit_scale=1.0):
+def _check(case, dtype, device, logit_scale=1.0, softcap=None):
     n, h, v, chunk, ignored, reduction = case
     hidden, weight, labels = _inputs(n, h, v, ignored, dtype, device, logit_scale)
     loss = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction,
-                                      chunk_size=chunk)
-    ref = fused_linear_cross_entropy_reference(hidden, weight, labels, reduction=reduction)
+                                      chunk_size=chunk, softcap=softcap)
+    ref = fused_linear_cross_entropy_reference(hidden, weight, labels, reduction=reduction,
+                                               softcap=softcap)
     assert loss.dtype == torch.float32 and loss.shape == ()
     # The loss is an fp32 reduction of fp32 terms either way; only the logits are rounded.
     assert_close(loss, ref, torch.float32 if dtype == torch.float32 else dtype, "loss")
@@ -74,6 +75,26 @@ def test_matches_reference(case, dtype):
 @each_dtype
 def test_large_logits_are_stable(dtype):
     _check((5, 16, 300, 2, 1, "mean"), dtype, "cpu", logit_scale=30.0)
+
+
+@each_dtype
+@each("case", CPU_CASES)
+def test_soft_capped_logits_match_reference(case, dtype):
+    """Gemma 2's final logits, softcap * tanh(z / softcap): logits large enough that the
+    cap bends them (scale 8 against caps of 3 and 30), and small ones where tanh is
+    nearly linear (the kernel's series branch)."""
+    for scale, cap in ((8.0, 3.0), (8.0, 30.0), (0.05, 30.0)):
+        _check(case, dtype, "cpu", logit_scale=scale, softcap=cap)
+
+
+def test_a_soft_cap_changes_the_loss():
+    """The cap is applied, not ignored: at logits far beyond it the capped loss differs."""
+    hidden, weight, labels = _inputs(7, 6, 50, 0, torch.float32, "cpu", logit_scale=20.0)
+    capped = fused_linear_cross_entropy(hidden, weight, labels, softcap=2.0)
+    plain = fused_linear_cross_entropy(hidden, weight, labels)
+    assert_close(capped, fused_linear_cross_entropy_reference(hidden, weight, labels, softcap=2.0),
+                 torch.float32, "loss")
+    assert abs(float(capped) - float(plain)) > 0.1
 
 
 def test_reference_is_torch_mean():
@@ -196,6 +217,8 @@ def test_opcheck():
     for need in [(True, True), (True, False), (False, False)]:
         torch.library.opcheck(fused_linear_cross_entropy_op,
                               (hidden, weight, labels, -100, "mean", 4, *need))
+    torch.library.opcheck(fused_linear_cross_entropy_op,
+                          (hidden, weight, labels, -100, "mean", 4, True, True, 30.0))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -230,6 +253,8 @@ def test_out_of_range_label_is_an_error():
     (dict(weight=torch.randn(0, 3)), "vocab size 0"),
     (dict(reduction="none"), "reduction"),
     (dict(chunk_size=0), "chunk_size=0"),
+    (dict(softcap=0.0), "softcap=0.0"),
+    (dict(softcap=-30.0), "softcap=-30.0"),
 ])
 def test_bad_input(kwargs, match):
     args = dict(hidden=torch.randn(4, 3), weight=torch.randn(10, 3),
@@ -274,3 +299,5 @@ def test_gpu(dtype, monkeypatch):
     for case in GPU_CASES + CPU_CASES:
         _check(case, dtype, "cuda")
     _check((33, 64, 5000, 8, 3, "mean"), dtype, "cuda", logit_scale=30.0)
+    for case in GPU_CASES[:1] + CPU_CASES[1:2]:  # Gemma 2's soft-capped logits
+        _check(case, dtype, "cuda", logit_scale=8.0, softcap=30.0)

@@ -235,7 +235,6 @@ def _read_outside(n: fx.Node, g: fx.Node, group: dict, find) -> bool:
     return False
 
 
-
 # Inductor's rules for a pointwise result (torch._inductor.config, ir.StorageBox): with one
 # reader it is computed inside the reader's loop unless its expression reads more than
 # this many buffers ...

@@ -5,8 +5,9 @@ dtype (a Linear's forward and backward products: the layouts training runs), dev
 bandwidth (a copy within the device), and the host AdamW update (parameters/s) as
 megatrain.AdamW runs it in a streamed step: its kernel (torch's fused CPU AdamW) on memory
 allocated as its state is (huge pages where the host allows), at its threads
-(optim.engine.streaming_threads), and, on a GPU, while both directions of the link copy (the weights' fetches read host
-memory and the gradients' copies write it, through the bandwidth the update is bound by).
+(optim.engine.streaming_threads), and, on a GPU, while both directions of the link copy
+(the weights' fetches read host memory and the gradients' copies write it, through the
+bandwidth the update is bound by).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 

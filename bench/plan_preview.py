@@ -140,7 +140,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
             return chosen
         numel = {g.region: sum(params[p].numel() for p in g.pids) for g in regions}
         pids = {g.region: tuple(g.pids) for g in regions}
-        acquiring = tuple(g.region for g in reversed(regions) if not g.shared)
+        acquiring = tuple(g.region for g in reversed(regions))
         raise _Planned(planned[-1], sites=UpdateSites(chosen, numel, kwargs["reserve"], pids, acquiring))
 
     backend.schedule_step, update_sites.choose_sites = spy, choose_spy

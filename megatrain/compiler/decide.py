@@ -42,7 +42,7 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
         g = by_region.get(r.id)
         decisions.append(RegionDecision(
             id=r.id, name=r.name, params=tuple(g.pids) if g else (), update=sites.get(r.id, "host"),
-            resident_candidate=bool(g) and opts.updates == "resident" and not g.shared,
+            resident_candidate=bool(g) and opts.updates == "resident",
             boundary="offloaded" if r.id in offloaded else "kept",
             recompute=r.id not in kept))
     return StepPlan(

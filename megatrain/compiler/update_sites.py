@@ -13,7 +13,10 @@ Decided once per compiled graph pair, after the planner, from:
 Policy (``updates`` option):
 
 - a region holding a parameter whose gradient arrives in pieces (a tied weight fetched by
-  two regions, or twice by one) stays on the host, where the pieces are summed;
+  two regions, or twice by one) is never updated with streamed state ("device"), whose
+  update runs per region: it stays on the host, where the pieces are summed, unless it is
+  resident (below: the regions sharing the parameter together, the first pieces summed
+  on the device);
 - so does a region whose device update would not fit the reserve on its own;
 - ``"host"``: every region on the host. ``"device"``: every other region on the device.
   ``"auto"``: :func:`~megatrain.optim.device_update.assign_sites` over the other regions,
@@ -21,8 +24,9 @@ Policy (``updates`` option):
   region goes to the device when that ends the backward's transfer phase sooner.
 - ``"resident"``: first, regions whose AdamW state then lives on the device for good
   (megatrain.optim.resident: no host memory, no link bytes for their fetches and
-  updates), as many as the reserve holds at 12 B/param beside one fp32 upcast scratch,
-  taken from the end of the backward's order: the regions whose updates come last, which
+  updates), as many as the reserve holds at 12 B/param beside one fp32 upcast scratch
+  (regions sharing a parameter as one, with room for the buffers its first gradient
+  pieces wait in), taken from the end of the backward's order: the regions whose updates come last, which
   the next forward needs first (the step's serial tail on a host-bound step); then
   ``"auto"`` over the rest with what is left of the reserve. Whatever the rates: a
   resident region moves no bytes at all, so no cost model is needed to prefer it.
@@ -63,7 +67,8 @@ UPDATES = ("auto", "host", "device", "resident")
 @dataclass(frozen=True)
 class GradientRegion:
     """One region that hands gradients to megatrain.AdamW: its parameter ids, and whether
-    one of them also gets gradient pieces elsewhere (then the host sums them)."""
+    one of them also gets gradient pieces elsewhere (then the host sums them, or the
+    device where the regions sharing it are resident)."""
 
     region: int
     pids: tuple[int, ...]
@@ -133,18 +138,25 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
     the backward's order first), and the reserve left: each region's
     ``resident.resident_bytes`` plus one upcast scratch (``resident.upcast_scratch_numel``:
     the largest parameter among the candidates, at most 64 MiB; what the runtime's
-    ResidentRegions acquires, or more)."""
-    candidates = [g for g in regions if not g.shared]
+    ResidentRegions acquires, or more). Regions sharing a parameter (a tied embedding's
+    two) go together or not at all, their state counted once, with room left for the
+    buffers the first pieces of the shared gradients wait in (``resident.group_bytes``)."""
+    candidates = list(regions)
     scratch = 4 * resident.upcast_scratch_numel(params[p].numel() for g in candidates for p in g.pids)
     if not candidates or scratch > reserve:
         return [], reserve
     left = reserve - scratch
-    chosen = []
+    pids = {g.region: list(g.pids) for g in candidates}
+    groups = resident.sharing_groups(pids)
+    chosen: list[int] = []
     for g in reversed(candidates):
-        nbytes = resident.resident_bytes([params[p].shape for p in g.pids])
-        if nbytes <= left:
-            chosen.append(g.region)
-            left -= nbytes
+        group = groups[g.region]
+        if g.region in chosen:
+            continue
+        state, waiting = resident.group_bytes({r: pids[r] for r in group}, params)
+        if state + waiting <= left:
+            chosen.extend(r for r in reversed(pids) if r in group)
+            left -= state
     return chosen, (left if chosen else reserve)
 
 

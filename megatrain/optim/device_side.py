@@ -194,7 +194,7 @@ class DeviceSide:
         return self._resident.ready_event(p)
 
     def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor],
-                        scratch: Tensor | None = None) -> Declined | None:
+                        scratch: Tensor | None = None, last_piece: bool = True) -> Declined | None:
         """Hand in gradients of resident ``params`` (on their device, the params' shapes),
         like :meth:`submit`: applied on the device now, in stream order, with the group's
         hyperparameters read now; or, where the update must wait (inside ``accumulate()``,
@@ -203,15 +203,29 @@ class DeviceSide:
         fp32 and contiguous (the runtime's bf16) is upcast piece by piece into ``scratch``
         (fp32, on the device, reused in stream order; required for such a gradient), so
         the scratch need not be as large as the parameter (optim/resident.py).
+        ``last_piece`` False: more of these gradients come in this backward (a tied weight
+        read by two regions sends one piece from each); the piece is summed into the lent
+        buffers, as the host path sums it into ``p.grad``, and the last piece completes it.
         Returns None (taken) or why not (protocol.Declined): lend buffers and call again
         (``needs_buffers``), or take the host path instead (the caller drops the residency)."""
         params, grads = list(params), list(grads)
         if not all(p in self._resident for p in params):
             return Declined("a parameter is not resident")
-        reason = self._resident_blocker(params, final=self._accumulating == 0)
+        final = self._accumulating == 0 and last_piece
+        reason = self._resident_blocker(params, final=final)
         if reason is not None:
             return Declined(reason)
-        final = self._accumulating == 0
+        if not last_piece:
+            if self._accumulating:
+                # the host path sums one backward's pieces in its slab, then adds that into
+                # p.grad; the lent buffer alone cannot keep those two sums apart
+                return Declined("a tied weight's gradient pieces under accumulate() are summed "
+                                "on the host, per backward")
+            if self._resident.needs_buffers(params):
+                return NEEDS_BUFFERS
+            for p, g in zip(params, grads):
+                self._resident.accumulate(p, g, scratch)
+            return None
         immediate = final and self.max_grad_norm is None and not self.skip_nonfinite
         if not immediate or self._resident.has_grads(params):
             if self._resident.needs_buffers(params):

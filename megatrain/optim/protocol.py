@@ -71,8 +71,9 @@ class GradientConsumer(Protocol):
     def resident_ready(self, p: Tensor) -> Any: ...
 
     def update_resident(self, params: Sequence[Tensor], grads: Sequence[Tensor],
-                        scratch: Tensor | None = None) -> Declined | None:
-        """Update resident parameters on the device (None), or say why not."""
+                        scratch: Tensor | None = None, last_piece: bool = True) -> Declined | None:
+        """Update resident parameters on the device (None), or say why not; a piece that is
+        not the last of its gradient this backward waits in the lent buffers."""
 
     def give_resident_buffers(self, params: Sequence[Tensor], buffers: Sequence[Tensor]) -> None: ...
 

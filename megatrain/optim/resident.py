@@ -80,6 +80,46 @@ def resident_bytes(shapes: Sequence[Sequence[int]]) -> int:
     return sum(3 * (-(-4 * math.prod(shape) // _BLOCK) * _BLOCK) + _BLOCK for shape in shapes)
 
 
+def sharing_groups(regions: dict[int, list[int]]) -> dict[int, frozenset[int]]:
+    """Per region, the regions that share a parameter with it, transitively, itself
+    included (a tied embedding's two regions): resident together or not at all, since a
+    parameter's state lives once."""
+    owner: dict[int, int] = {}
+    parent = {r: r for r in regions}
+
+    def find(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for r, pids in regions.items():
+        for p in pids:
+            if p in owner:
+                parent[find(r)] = find(owner[p])
+            else:
+                owner[p] = r
+    members: dict[int, set[int]] = {}
+    for r in regions:
+        members.setdefault(find(r), set()).add(r)
+    return {r: frozenset(members[find(r)]) for r in regions}
+
+
+def group_bytes(regions: dict[int, list[int]], params: list) -> tuple[int, int]:
+    """(device bytes of the state of the parameters of ``regions``, each once; bytes of
+    the fp32 buffers their shared parameters' first pieces wait in: one per region
+    holding one, laid out like the region, as the runtime lends them)."""
+    pids = list(dict.fromkeys(p for ps in regions.values() for p in ps))
+    state = resident_bytes([params[p].shape for p in pids])
+    count: dict[int, int] = {}
+    for ps in regions.values():
+        for p in set(ps):
+            count[p] = count.get(p, 0) + 1
+    waiting = sum(4 * sum(params[p].numel() for p in ps) for ps in regions.values()
+                  if any(count[p] > 1 for p in ps))
+    return state, waiting
+
+
 @dataclass
 class _Entry:
     master: Tensor

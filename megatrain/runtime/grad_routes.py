@@ -58,12 +58,21 @@ class ResidentRoute(GradRoute):
     def __init__(self, resident: ResidentRegions, handoff: GradHandoff):
         self.resident = resident
         self.handoff = handoff
+        self._pieces: dict[int, int] = {}  # param_id -> pieces of it seen this backward
 
     def take(self, grad, region, param_id, param, dtype) -> bool:
-        if not self.resident.take(grad, region, param):
+        """A tied weight's gradient comes in one piece per region that read it
+        (`GradHandoff.expect_param`): all but the last wait on the device, summed."""
+        seen = self._pieces.get(param_id, 0) + 1
+        last = seen >= self.handoff.expect_param.get(param_id, 1)
+        self._pieces[param_id] = seen
+        if not self.resident.take(grad, region, param, last_piece=last):
             return False
         self.handoff.count_in(region)  # updated on the device; a demoted region's rest goes home
         return True
+
+    def flush(self) -> None:
+        self._pieces.clear()
 
 
 class DeviceUpdateRoute(GradRoute):

@@ -16,6 +16,10 @@ For a region the plan made resident (megatrain.compiler.update_sites):
         the device once); every fetch then casts the device master into the plan's weight
         buffer on the copy stream, after the region's last update (its event): no PCIe, no
         host memory.
+    sharing: regions holding one parameter (a tied embedding's first and last) are
+        acquired and demoted together, its state counted once (``resident.sharing_groups``,
+        ``resident.group_bytes``); its gradient's pieces but the last wait in a lent
+        buffer, summed as the host path sums them in a slab, and the last one updates.
     hand-off of each gradient: ``AdamW.update_resident`` with the scratch, which upcasts
         it there piece by piece, each piece's update right after its upcast, on the
         compute stream, in stream order: the gradient's memory, which Inductor reuses
@@ -59,6 +63,7 @@ class ResidentRegions:
         self.params = params
         self.reserve = reserve
         self.candidates = {r: list(pids) for r, pids in candidates.items()}  # in acquiring order
+        self.groups = resident_mod.sharing_groups(self.candidates)  # region -> the regions it shares a parameter with
         self.regions: dict[int, list[int]] = {}
         self.held: dict[int, int] = {}  # region -> reserve bytes its state holds
         self.buffered: dict[int, int] = {}  # region -> reserve bytes of its gradient buffer
@@ -80,13 +85,16 @@ class ResidentRegions:
                     self._scratch_bytes, "resident upcast scratch"):
                 return
             self._scratch_held = True
-        for region, pids in self.candidates.items():
-            if region in self.regions or region in self.demoted:
+        for region in self.candidates:
+            group = self.groups[region]
+            if any(r in self.regions or r in self.demoted for r in group):
                 continue
-            nbytes = resident_mod.resident_bytes([self.params[p].shape for p in pids])
-            if self.reserve.fits(nbytes + keep_free) and self.reserve.try_acquire(
-                    nbytes, f"resident state of region {region}"):
-                self.regions[region], self.held[region] = list(pids), nbytes
+            nbytes, waiting = resident_mod.group_bytes({r: self.candidates[r] for r in group}, self.params)
+            if self.reserve.fits(nbytes + waiting + keep_free) and self.reserve.try_acquire(
+                    nbytes, f"resident state of region(s) {sorted(group)}"):
+                for r in sorted(group):
+                    self.regions[r], self.held[r] = list(self.candidates[r]), 0
+                self.held[min(group)] = nbytes
         if not self.regions:
             self._free_scratch()
 
@@ -114,9 +122,11 @@ class ResidentRegions:
                 return None
         return [(opt.resident_master(p), opt.resident_ready(p)) for p in host_params]
 
-    def take(self, grad: torch.Tensor, region: int, param: torch.Tensor) -> bool:
+    def take(self, grad: torch.Tensor, region: int, param: torch.Tensor, last_piece: bool = True) -> bool:
         """Update ``param`` from ``grad`` on the device now (True), or leave the gradient to
-        the host path (False: the region is not resident, or no longer)."""
+        the host path (False: the region is not resident, or no longer). ``last_piece``
+        False: more of ``param``'s gradient comes this backward (a tied weight, one piece
+        per region that read it): summed into a lent buffer until the last."""
         if region not in self.regions:
             return False
         if handoff_graphs.several(param):
@@ -127,9 +137,9 @@ class ResidentRegions:
             return False  # not adopted yet, or a host path took it home: the host path
         in_place = grad.dtype == torch.float32 and grad.is_contiguous()  # else upcast
         scratch = None if in_place else self._upcast_scratch()
-        declined = opt.update_resident([param], [grad], scratch)
+        declined = opt.update_resident([param], [grad], scratch, last_piece)
         if declined is not None and declined.needs_buffers and self._lend_buffers(region, opt):
-            declined = opt.update_resident([param], [grad], scratch)
+            declined = opt.update_resident([param], [grad], scratch, last_piece)
         if declined is not None:
             self.demote(region, declined.reason)
             return False
@@ -159,15 +169,18 @@ class ResidentRegions:
                 + (self._scratch_bytes if self._scratch_held else 0))
 
     def demote(self, region: int, reason: str) -> None:
-        """The region leaves the device for good: newest values to the host, bytes back."""
-        pids = self.regions.pop(region, None)
-        if pids is None:
-            return
-        self.demoted[region] = reason
-        params = [self.params[p] for p in pids]
-        for opt in {id(o): o for o in map(owner_of, params) if o is not None}.values():
-            opt.drop_resident(params)  # each brings home the ones it holds
-        self.reserve.release(self.held.pop(region) + self.buffered.pop(region, 0))
+        """The region leaves the device for good, with the regions it shares a parameter
+        with: newest values to the host (a piece of a tied gradient waiting on the device
+        becomes its p.grad, where the host path adds the rest), bytes back."""
+        for r in sorted(self.groups.get(region, {region})):
+            pids = self.regions.pop(r, None)
+            if pids is None:
+                continue
+            self.demoted[r] = reason
+            params = [self.params[p] for p in pids]
+            for opt in {id(o): o for o in map(owner_of, params) if o is not None}.values():
+                opt.drop_resident(params)  # each brings home the ones it holds
+            self.reserve.release(self.held.pop(r) + self.buffered.pop(r, 0))
         if not self.regions:
             self._free_scratch()
 

@@ -59,20 +59,30 @@ class ResidentRoute(GradRoute):
         self.resident = resident
         self.handoff = handoff
         self._pieces: dict[int, int] = {}  # param_id -> pieces of it seen this backward
+        self._on_device: set[int] = set()  # param_ids with a piece taken on the device this backward
 
     def take(self, grad, region, param_id, param, dtype) -> bool:
         """A tied weight's gradient comes in one piece per region that read it
-        (`GradHandoff.expect_param`): all but the last wait on the device, summed."""
+        (`GradHandoff.expect_param`): all but the last wait on the device, summed. Should
+        the device refuse a later piece after it took an earlier one, the host could not
+        complete the sum (its slab waits for every piece): that is an error, not a hang."""
         seen = self._pieces.get(param_id, 0) + 1
         last = seen >= self.handoff.expect_param.get(param_id, 1)
         self._pieces[param_id] = seen
         if not self.resident.take(grad, region, param, last_piece=last):
+            if param_id in self._on_device:
+                why = self.resident.demoted.get(region, "its region is no longer resident")
+                raise UnsupportedError(
+                    f"a tied weight of shape {tuple(param.shape)} had part of its gradient summed on "
+                    f"the device this backward when the rest was refused there ({why})")
             return False
+        self._on_device.add(param_id)
         self.handoff.count_in(region)  # updated on the device; a demoted region's rest goes home
         return True
 
     def flush(self) -> None:
         self._pieces.clear()
+        self._on_device.clear()
 
 
 class DeviceUpdateRoute(GradRoute):

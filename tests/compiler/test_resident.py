@@ -314,6 +314,19 @@ def test_regions_sharing_a_weight_are_resident_together_or_not_at_all():
     assert seen == {(False, False), (True, True)}, seen  # the pair alone fit its state, then all
 
 
+def test_a_tied_gradient_refused_after_its_first_piece_is_an_error_not_a_hang():
+    """Two backwards without opt.step() between: the second one's last piece of the tied
+    embedding is refused on the device (it already had its last gradient this step) after
+    the first piece was summed there; the host cannot complete that sum, so it says so."""
+    torch.manual_seed(4)
+    model = llama(tied=True, layers=1)
+    opt, step = compiled(model, "resident")
+    (ids, labels), = random_batches(VOCAB, 1, batch=2, seq=8)
+    step(ids, labels=labels).backward()
+    with pytest.raises(Exception, match="tied weight of shape .* summed on the device"):
+        step(ids, labels=labels).backward()
+
+
 @pytest.mark.parametrize("write", ["in place", "through .data"])
 def test_host_writes_after_synchronize_are_seen_and_before_it_refused(write):
     """After synchronize() the host copies are the truth again, whatever writes them (an

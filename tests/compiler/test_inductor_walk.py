@@ -114,7 +114,8 @@ def _least_budget(build, seq, walk):
     return info.value.min_budget
 
 
-@pytest.mark.parametrize("build", [_own_llama, _hf_llama], ids=["own_llama", "hf_llama"])
+@pytest.mark.parametrize("build", [_own_llama, pytest.param(_hf_llama, marks=pytest.mark.slow)],
+                         ids=["own_llama", "hf_llama"])  # the same walk: the default run takes one
 def test_a_long_step_planned_for_fused_kernels_measures_within_the_inductor_walk(build, monkeypatch):
     """Planned as for Inductor's GPU kernels (the walk leaves out what Inductor never
     writes and pads each region with its largest transient), a long step plans leaner than

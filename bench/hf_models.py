@@ -86,12 +86,13 @@ def layers(name: str) -> int:
     return MODELS[name][2]["num_hidden_layers"]
 
 
-def config(name: str, smoke: bool = False):
-    """The model's transformers config (scaled down for --smoke)."""
+def config(name: str, smoke: bool = False, layers: int | None = None):
+    """The model's transformers config (scaled down for --smoke; `layers`: another depth at
+    the same width)."""
     import transformers
 
     fam, cls, kwargs = MODELS[name]
-    kwargs = dict(kwargs, use_cache=False)
+    kwargs = dict(kwargs, use_cache=False, **({"num_hidden_layers": layers} if layers else {}))
     if smoke:
         kwargs.update(SMOKE, **SMOKE_EXTRA.get(fam, {}))
         if "num_experts" in kwargs:
@@ -99,15 +100,15 @@ def config(name: str, smoke: bool = False):
     return getattr(transformers, cls)(**kwargs)
 
 
-def build(name: str, smoke: bool = False, device=None):
+def build(name: str, smoke: bool = False, device=None, layers: int | None = None):
     """(model in train mode, the attention implementation it got, why not SDPA or None).
     Seeded: every system starts from the same weights. SDPA is asked for; a model class
     transformers refuses it for (Gemma2: SDPA has no soft-capping) gets "eager" and the
-    refusal is returned for the row."""
+    refusal is returned for the row. `layers`: another depth at the same width."""
     import torch
     import transformers
 
-    cfg = config(name, smoke)
+    cfg = config(name, smoke, layers)
     torch.manual_seed(0)
     ctx = torch.device(device) if device is not None else _nullcontext()
     with ctx:

@@ -115,13 +115,11 @@ def _stop_after_planning(sites: bool = False, rates=None):
     real_staging = streamer_mod.Streamer.cast_staging_bytes
     planned = []
 
-    def spy(fw, bw, params, device, dtype, budget, prefetch, offload=True, fused=False,
-            keep_weights=False, problem=None, inductor=False, **names):
-        # the backend's problem (if it read one) was read as on CUDA too: Options.fused_lowering
-        # is patched below, so the kept-activations chooser and this plan count alike
+    def spy(*args, **kwargs):
+        # the backend plans as on CUDA (Options.fused_lowering is patched below, so the
+        # kept-activations chooser and this plan count alike): its arguments pass as they are
         try:
-            schedule = real(fw, bw, params, device, dtype, budget, prefetch, offload, True, keep_weights,
-                            problem=problem, inductor=inductor, **names)
+            schedule = real(*args, **kwargs)
         except Exception as e:  # InfeasibleBudget: its message is the answer
             raise _Planned(error=e) from None
         if not sites:
@@ -171,18 +169,6 @@ def _stop_after_planning(sites: bool = False, rates=None):
         options_mod.Options.fused_lowering = real_fused
 
 
-def _hf_model(cfg):
-    """The Hugging Face model of `cfg` in train mode, with SDPA where transformers allows
-    it (as bench/hf_train.py builds it)."""
-    import transformers
-
-    try:
-        net = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    except ValueError:  # a class refusing SDPA (Gemma2's soft-capping)
-        net = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    return net.train()
-
-
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
             keep_weights: bool = False, kernels: str | None = None, updates: str | None = None,
             rates=None, host_memory: str | None = None, token_chunks: bool = False,
@@ -203,11 +189,8 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
     from megatrain.models import Llama
 
     if model in hf_models.MODELS:
-        cfg = hf_models.config(model)
-        if layers:
-            cfg.num_hidden_layers = layers
-        with torch.device("meta"):
-            net = _hf_model(cfg)
+        net, _, _ = hf_models.build(model, device="meta", layers=layers)
+        cfg = net.config
         loss_of = lambda ids: net_step(input_ids=ids, labels=ids).loss  # noqa: E731
     else:
         cfg = _config(model, layers)

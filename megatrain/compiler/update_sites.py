@@ -26,9 +26,9 @@ Policy (``updates`` option):
   (megatrain.optim.resident: no host memory, no link bytes for their fetches and
   updates), as many as the reserve holds at 12 B/param beside one fp32 upcast scratch
   (regions sharing a parameter as one, with room for the buffers its first gradient
-  pieces wait in), taken from the end of the backward's order: the regions whose updates come last, which
-  the next forward needs first (the step's serial tail on a host-bound step); then
-  ``"auto"`` over the rest with what is left of the reserve. Whatever the rates: a
+  pieces wait in), taken from the end of the backward's order: the regions whose updates
+  come last, which the next forward needs first (the step's serial tail on a host-bound
+  step); then ``"auto"`` over the rest with what is left of the reserve. Whatever the rates: a
   resident region moves no bytes at all, so no cost model is needed to prefer it.
 
 Memory: a device update's buffers (``device_update.held_bytes``: ~16 bytes per parameter)
@@ -150,9 +150,9 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
     groups = resident.sharing_groups(pids)
     chosen: list[int] = []
     for g in reversed(candidates):
-        group = groups[g.region]
         if g.region in chosen:
             continue
+        group = groups[g.region]
         state, waiting = resident.group_bytes({r: pids[r] for r in group}, params)
         if state + waiting <= left:
             chosen.extend(r for r in reversed(pids) if r in group)

@@ -59,7 +59,7 @@ class ResidentRoute(GradRoute):
         self.resident = resident
         self.handoff = handoff
         self._pieces: dict[int, int] = {}  # param_id -> pieces of it seen this backward
-        self._on_device: set[int] = set()  # param_ids with a piece taken on the device this backward
+        self._waiting: set[int] = set()  # param_ids with a piece waiting on the device this backward
 
     def take(self, grad, region, param_id, param, dtype) -> bool:
         """A tied weight's gradient comes in one piece per region that read it
@@ -70,19 +70,20 @@ class ResidentRoute(GradRoute):
         last = seen >= self.handoff.expect_param.get(param_id, 1)
         self._pieces[param_id] = seen
         if not self.resident.take(grad, region, param, last_piece=last):
-            if param_id in self._on_device:
+            if param_id in self._waiting:
                 why = self.resident.demoted.get(region, "its region is no longer resident")
                 raise UnsupportedError(
                     f"a tied weight of shape {tuple(param.shape)} had part of its gradient summed on "
                     f"the device this backward when the rest was refused there ({why})")
             return False
-        self._on_device.add(param_id)
+        if not last:
+            self._waiting.add(param_id)
         self.handoff.count_in(region)  # updated on the device; a demoted region's rest goes home
         return True
 
     def flush(self) -> None:
         self._pieces.clear()
-        self._on_device.clear()
+        self._waiting.clear()
 
 
 class DeviceUpdateRoute(GradRoute):

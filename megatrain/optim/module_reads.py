@@ -10,11 +10,12 @@ current: queued updates applied, resident values copied home (the device copies 
 training goes on without re-uploading them). The one rule left for users: read or write
 ``p.data`` / ``model.parameters()`` directly only after ``opt.synchronize()``.
 
-Why referrers: the backend is handed tensors, not modules (dynamo lifts parameters to
-graph inputs; its sources name an attribute path, not the root object), so the modules
-holding a parameter are found as the owners of the ``_parameters`` dicts that refer to it.
-Done once per compiled graph, for all its parameters at once (a few passes over the
-objects the garbage collector tracks).
+Why a scan of the collector's objects: the backend is handed tensors, not modules (dynamo
+lifts parameters to graph inputs; its sources name an attribute path, not the root object),
+so the modules holding a parameter are found among the modules the garbage collector
+tracks, by their ``_parameters``. Done once per compiled graph, for all its parameters at
+once: one listing of the tracked objects, cheaper than ``gc.get_referrers``, which walks
+every container's contents once per call.
 """
 
 from __future__ import annotations
@@ -33,28 +34,14 @@ _hooked: weakref.WeakKeyDictionary[nn.Module, object] = weakref.WeakKeyDictionar
 
 def holders(params: Iterable[torch.Tensor]) -> list[nn.Module]:
     """The modules whose own ``_parameters`` hold any of ``params``."""
-    params = list(params)
-    if not params:
-        return []
     ids = {id(p) for p in params}
-    dicts = [d for d in gc.get_referrers(*params)
-             if isinstance(d, dict) and any(id(v) in ids for v in d.values())]
-    if not dicts:
+    if not ids:
         return []
-    wanted = {id(d) for d in dicts}
-    found: dict[int, nn.Module] = {}
-    instance_dicts = []
-    for r in gc.get_referrers(*dicts):
-        if isinstance(r, nn.Module) and id(r.__dict__.get("_parameters")) in wanted:
-            found[id(r)] = r
-        elif isinstance(r, dict) and id(r.get("_parameters")) in wanted:
-            instance_dicts.append(r)  # a module's __dict__ (where the object does not refer directly)
-    if instance_dicts:
-        owned = {id(d) for d in instance_dicts}
-        for r in gc.get_referrers(*instance_dicts):
-            if isinstance(r, nn.Module) and id(r.__dict__) in owned:
-                found[id(r)] = r
-    return list(found.values())
+    # type() rather than isinstance(): isinstance reads ``__class__``, which some library
+    # objects answer with a deprecation warning
+    return [o for o in gc.get_objects()
+            if issubclass(type(o), nn.Module)
+            and any(id(v) in ids for v in (vars(o).get("_parameters") or {}).values())]
 
 
 def keep_state_dict_current(params: Iterable[torch.Tensor]) -> int:

@@ -211,8 +211,11 @@ def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: s
                              options={"device": "cpu", "precision": "bf16", "gpu_memory": gpu_memory,
                                       "outputs": outputs})
     # probe_rates off: this machine's kernels say nothing of the GPU the plan is for (a
-    # GPU row's own kernel rates are not recorded, so its products go at its matmul rate)
+    # GPU row's own kernel rates are not recorded, so its products go at its matmul rate);
+    # decision_cache off: the chooser scores with the rates given here, which its key
+    # (the machine's rate files) does not see
     forced = {"lowering": "inductor", "keep_weights": keep_weights, "probe_rates": False,
+              "decision_cache": False,
               "token_chunks": token_chunks,
               **({"kernels": kernels.split(",")} if kernels else {}), **({"updates": updates} if updates else {})}
     ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))

@@ -28,6 +28,11 @@ check_fetched_weights: bool = False
 # the machine that runs them.
 probe_rates: bool = True
 
+# Remember which regions keep their activations, per graph, options, rates and megatrain
+# source, under $MEGATRAIN_CACHE (compiler/decision_cache.py): a second process compiling
+# the same graph skips the chooser's search. False chooses afresh at every compile.
+decision_cache: bool = True
+
 # Warn when a graph's predicted step is at least this many times its GPU compute (about
 # what a GPU-resident run takes), naming the regions the GPU waits for and why
 # (plan/waits.py). None: never.
@@ -111,4 +116,5 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    return ["check_fetched_weights", "probe_rates", "slow_plan_ratio", "memory_walk", *DECISIONS]
+    return ["check_fetched_weights", "probe_rates", "decision_cache", "slow_plan_ratio", "memory_walk",
+            *DECISIONS]

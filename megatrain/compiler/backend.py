@@ -364,20 +364,21 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
                                  opts.compute_dtype, sched.offloaded)
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
-    def on_partition(split, candidates_of):
+    def on_partition(split, candidates_of, joint):
         with phase("planning", times):
-            chosen, plain, plan.keep_choice = keep.choose(split, candidates_of, cap, opts, streamer)
+            chosen, recompute_pair, plan.keep_choice = keep.choose(split, candidates_of, cap, opts,
+                                                                   streamer, joint)
             try:
                 step = plan_pair(chosen)
             except (InfeasibleBudget, OffloadRoomExceeded) as e:
-                if chosen is plain:
+                if not chosen.kept:
                     raise
                 if opts.keep_activations is not None:  # forced: say that it did not happen
                     budget = "gpu_memory" if isinstance(e, InfeasibleBudget) else "host_memory"
                     warnings.warn(f"megatrain: keep_activations={opts.keep_activations!r} does not fit "
                                   f"{budget} ({e}); every region recomputes its forward",
                                   RuntimeWarning, stacklevel=2)
-                chosen = plain  # the mix was an estimate: the real kept graphs did not fit
+                chosen = recompute_pair()  # the mix was an estimate: the real kept graphs did not fit
                 step = plan_pair(chosen)
             configure(step)
             _warn_if_slow(plan, opts, streamer.region_names)

@@ -10,12 +10,14 @@ then the update sites the room it leaves allows (resident AdamW state grows into
 device memory kept activations take), with the optimizer's wait for the clip's norm. The
 chosen pair is partitioned once more when it is neither extreme, and planned for real
 by the caller: should that plan not fit (the mix is an estimate of the real graphs), the
-recompute pair stands.
+recompute pair stands. A choice made once is remembered across processes
+(decision_cache.py): a warm start partitions only the pair it plans.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -23,7 +25,8 @@ import torch.fx as fx
 from ..errors import MegatrainValueError
 from ..plan.keep import KeepChoice, choose_kept, comparable
 from ..plan.search import InfeasibleBudget, OffloadRoomExceeded, plan_step
-from . import decide, rates, update_sites
+from .. import config
+from . import decide, decision_cache, rates, update_sites
 from .options import Options
 from .passes import gradient_handoffs
 from .schedule import planner_options, step_problem
@@ -40,34 +43,59 @@ class Split:
     problem: tuple | None = None  # (StepProblem, Rates) once read off the pair: not read twice
 
 
-def choose(split, candidates_of, cap, opts: Options,
-           streamer) -> tuple[Split, Split, KeepChoice | None]:
-    """(the pair to plan, the recompute pair to fall back to, the chooser's answer or None
-    where the set was forced). `split(kept)` partitions with `kept` (graph region ids);
-    `candidates_of()` lists the regions that may keep, asked only where it matters.
+def choose(split, candidates_of, cap, opts: Options, streamer,
+           joint: fx.GraphModule | None = None) -> tuple[Split, Callable[[], Split], KeepChoice | None]:
+    """(the pair to plan, a function giving the recompute pair to fall back to, the
+    chooser's answer or None where the set was forced). `split(kept)` partitions with `kept`
+    (graph region ids); `candidates_of()` lists the regions that may keep, asked only where
+    it matters; `joint`, the joint graph, keys the choice in the decision cache.
     Keeping is a speed-up, so a failure while deciding it (a graph whose kept partition
     torch cannot make) warns and recomputes rather than stopping the compile; a forced
     set raises."""
-    plain = Split(*split(frozenset()))
     forced = opts.keep_activations
+    graph = None
+    if forced is None and joint is not None and config.decision_cache and rates.calibrated(opts.device):
+        graph = decision_cache.graph_fingerprint(joint)
+        hit = decision_cache.load(decision_cache.key(graph, opts))
+        if hit is not None:
+            return _remembered(split, *hit)
+    plain = Split(*split(frozenset()))
     if plain.bw is None or forced is False or (forced is None and not rates.calibrated(opts.device)):
-        return plain, plain, None
+        return plain, lambda: plain, None
     candidates = candidates_of()
     if not candidates:
-        return plain, plain, None
+        return plain, lambda: plain, None
     if isinstance(forced, frozenset):
         regions = _named(forced, cap.regions.regions) & frozenset(candidates)
-        return (Split(*split(regions), kept=regions) if regions else plain), plain, None
+        return (Split(*split(regions), kept=regions) if regions else plain), lambda: plain, None
     if forced:
-        return Split(*split(frozenset(candidates)), kept=frozenset(candidates)), plain, None
+        return Split(*split(frozenset(candidates)), kept=frozenset(candidates)), lambda: plain, None
     try:
         chosen, choice = _decide(split, plain, candidates, cap, opts, streamer)
     except Exception as e:  # noqa: BLE001  (any failure here only costs the speed-up)
         warnings.warn(f"megatrain: could not decide which regions keep their activations "
                       f"({type(e).__name__}: {e}); every region recomputes its forward",
                       RuntimeWarning, stacklevel=2)
-        return plain, plain, None
-    return chosen, plain, choice
+        return plain, lambda: plain, None
+    if graph is not None:   # keyed again: the choice may have timed kernels into the rates' cache
+        decision_cache.store(decision_cache.key(graph, opts), chosen.kept, choice)
+    return chosen, lambda: plain, choice
+
+
+def _remembered(split, regions: frozenset[int],
+                choice: KeepChoice | None) -> tuple[Split, Callable[[], Split], KeepChoice | None]:
+    """The remembered choice's pair, partitioned once; the recompute pair only if asked."""
+    chosen = Split(*split(regions), kept=regions)
+    if not regions:
+        return chosen, lambda: chosen, choice
+    plain: list[Split] = []
+
+    def fallback() -> Split:
+        if not plain:
+            plain.append(Split(*split(frozenset())))
+        return plain[0]
+
+    return chosen, fallback, choice
 
 
 def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,

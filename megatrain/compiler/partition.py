@@ -202,10 +202,11 @@ def make_partition_fn(on_partition=None, joint_passes=None):
     """A partition_fn for aot_module_simplified.
 
     `joint_passes(joint, joint_inputs) -> joint` rewrites the joint graph first (lower.joint_passes);
-    `on_partition(split, candidates) -> (fw, bw)` decides which regions to keep and
+    `on_partition(split, candidates, joint) -> (fw, bw)` decides which regions to keep and
     schedules the two graphs: `split(kept)` partitions the joint graph with that kept set
     and returns (fw, bw, SavedActivations); `candidates()` lists the regions keeping can
-    help (kept_candidates), a walk of the joint graph made only where a decision is due.
+    help (kept_candidates), a walk of the joint graph made only where a decision is due;
+    `joint` is the joint graph itself (which keys a remembered decision).
     Without `on_partition` nothing is kept.
     """
 
@@ -226,6 +227,6 @@ def make_partition_fn(on_partition=None, joint_passes=None):
 
         if on_partition is None:
             return split()[:2]
-        return on_partition(split, lambda: kept_candidates(joint_module.graph))
+        return on_partition(split, lambda: kept_candidates(joint_module.graph), joint_module)
 
     return partition

@@ -1,0 +1,155 @@
+"""The kept-activations choice remembered across processes, so a warm start skips the search.
+
+Choosing which regions keep their activations (compiler/keep.py) partitions the joint graph
+twice more than a plain compile and scores a dozen plans: most of a warm-cache compile's
+planning, where Inductor's kernels already come from its cache. A second process compiling
+the same graph with the same options on the same machine makes the same choice, so the
+choice is written to megatrain's cache folder (beside the probe's rates) and read back.
+
+Only the decision is cached, never the plan: the chosen pair is partitioned, planned and
+validated from its real graphs as on a miss, and where that plan does not fit, every region
+recomputes as before. A stale entry can cost speed, never correctness. The key covers what
+the choice is a function of:
+- the joint graph: each node's op, target, arguments, region and result shape and dtype;
+- the options (the host memory rounded to a GiB: its default is read from the free RAM at
+  each compile, and a few MiB either way do not change a choice);
+- the rates the plans are scored with (the probe's and the kernel timings' cache files);
+- megatrain's own source, so a changed cost model or chooser is a new key.
+State the key does not see (resident state placed by another graph of the same process)
+can make a cached choice less good than a fresh one, not wrong. `megatrain.config.
+decision_cache = False` turns the cache off (the tests' setting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from .. import config
+from ..plan.keep import KeepChoice
+from ..runtime.probe import cache_dir, cache_path, device_name
+from .options import Options
+
+_GIB = 1 << 30
+_FORMAT = 1
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """A hash of the graph's structure and shapes (not its values): equal for the same
+    model, inputs' shapes and dtypes, and tracing, whichever streamer the graph's
+    megatrain ops name (a process numbers its streamers from 0 in compile order)."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        region = (n.meta.get("custom") or {}).get("megatrain_region")
+        h.update(f"{n.op}|{n.name}|{_target(n.target)}|{_describe(_without_streamer(n))}"
+                 f"|{_describe(n.kwargs)}|{region}|{_describe(n.meta.get('val'))}\n".encode())
+    return h.hexdigest()
+
+
+def key(graph: str, opts: Options) -> str:
+    """The cache key of a choice for the graph fingerprinted `graph` under `opts`."""
+    host = None if opts.host_memory is None else round(opts.host_memory / _GIB)
+    h = hashlib.sha256()
+    for part in (str(_FORMAT), graph, repr(dataclasses.replace(opts, host_memory=host)),
+                 _rates_files(opts.device), _source()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
+    """(the kept graph regions, the chooser's answer) stored under `k`, or None."""
+    if not config.decision_cache:
+        return None
+    try:
+        entry = json.loads(_path(k).read_text())
+        choice = entry["choice"]
+        return frozenset(entry["regions"]), (None if choice is None else KeepChoice(
+            kept=frozenset(choice["kept"]), step_s=choice["step_s"],
+            scored=tuple((n, s) for n, s in choice["scored"])))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no entry, or an unreadable one: choose afresh
+
+
+def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
+    """Remember the choice under `k` (best effort: a cache that cannot be written is skipped)."""
+    if not config.decision_cache:
+        return
+    entry = {"regions": sorted(regions), "choice": None if choice is None else {
+        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored)}}
+    path = _path(k)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entry))
+        tmp.replace(path)   # atomic: a concurrent reader sees the old entry or the new one
+    except OSError:
+        pass
+
+
+def _path(k: str) -> Path:
+    return cache_dir() / "decisions" / f"keep-{k}.json"
+
+
+def _rates_files(device: torch.device) -> str:
+    """The contents of the probe's and the kernel timings' cache files for `device`."""
+    rates = cache_path(device_name(device))
+    kernels = rates.with_name(rates.stem.replace("rates-", "kernels-") + ".json")
+    out = []
+    for p in (rates, kernels):
+        try:
+            out.append(p.read_text())
+        except OSError:
+            out.append("")
+    return "\0".join(out)
+
+
+@functools.lru_cache(maxsize=1)
+def _source() -> str:
+    """A hash of every megatrain source file (the cost model and the chooser among them)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _without_streamer(n: fx.Node) -> tuple:
+    """The node's positional arguments, a megatrain op's `streamer` index blanked."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.name.startswith("megatrain::"):
+        return n.args
+    return tuple(None if i < len(schema.arguments) and schema.arguments[i].name == "streamer" else a
+                 for i, a in enumerate(n.args))
+
+
+def _target(t) -> str:
+    """An op by its name, a Python callable by its module and qualified name (never its
+    address, which differs between processes)."""
+    if isinstance(t, str):
+        return t
+    if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(t)
+    return f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', type(t).__name__)}"
+
+
+def _describe(x) -> str:
+    """Arguments and results as text, tensors by shape and dtype only (never their values)."""
+    if isinstance(x, fx.Node):
+        return x.name
+    if isinstance(x, torch.Tensor):
+        return f"T{tuple(x.shape)}{x.dtype}{x.device.type}"
+    if isinstance(x, (list, tuple)):
+        return "(" + ",".join(_describe(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k}:{_describe(v)}" for k, v in x.items()) + "}"
+    text = repr(x)
+    return type(x).__qualname__ if " at 0x" in text else text

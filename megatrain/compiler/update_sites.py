@@ -139,8 +139,8 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
     ``resident.resident_bytes`` plus one upcast scratch (``resident.upcast_scratch_numel``:
     the largest parameter among the candidates, at most 64 MiB; what the runtime's
     ResidentRegions acquires, or more). Regions sharing a parameter (a tied embedding's
-    two) go together or not at all, their state counted once, with room left for the
-    buffers the first pieces of the shared gradients wait in (``resident.group_bytes``)."""
+    two) go together or not at all, their state counted once, and the buffers the first
+    pieces of the shared gradients wait in taken with them (``resident.group_bytes``)."""
     candidates = list(regions)
     scratch = 4 * resident.upcast_scratch_numel(params[p].numel() for g in candidates for p in g.pids)
     if not candidates or scratch > reserve:
@@ -156,7 +156,7 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
         state, waiting = resident.group_bytes({r: pids[r] for r in group}, params)
         if state + waiting <= left:
             chosen.extend(r for r in reversed(pids) if r in group)
-            left -= state
+            left -= state + waiting   # the runtime books the waiting buffers at admission too
     return chosen, (left if chosen else reserve)
 
 

@@ -89,12 +89,18 @@ class ResidentRegions:
             group = self.groups[region]
             if any(r in self.regions or r in self.demoted for r in group):
                 continue
-            nbytes, waiting = resident_mod.group_bytes({r: self.candidates[r] for r in group}, self.params)
-            if self.reserve.fits(nbytes + waiting + keep_free) and self.reserve.try_acquire(
-                    nbytes, f"resident state of region(s) {sorted(group)}"):
+            members = {r: self.candidates[r] for r in group}
+            nbytes, _ = resident_mod.group_bytes(members, self.params)
+            # the buffers the first pieces of a shared gradient wait in are booked now, so
+            # that regions admitted after these cannot take their room (_lend_buffers)
+            waiting = resident_mod.waiting_buffers(members, self.params)
+            total = nbytes + sum(waiting.values())
+            if self.reserve.fits(total + keep_free) and self.reserve.try_acquire(
+                    total, f"resident state of region(s) {sorted(group)}"):
                 for r in sorted(group):
                     self.regions[r], self.held[r] = list(self.candidates[r]), 0
                 self.held[min(group)] = nbytes
+                self.buffered.update(waiting)
         if not self.regions:
             self._free_scratch()
 
@@ -153,7 +159,8 @@ class ResidentRegions:
         params = [self.params[p] for p in self.regions[region]]
         layout = FlatLayout.of([p.shape for p in params])
         nbytes = 4 * layout.numel
-        # A buffer lent before went with the state (synchronize() brings it home): its bytes too.
+        # The bytes booked for it at admission (a region holding a shared parameter), or
+        # of a buffer lent before that went with the state (synchronize() brings it home).
         self.reserve.release(self.buffered.pop(region, 0))
         if not self.reserve.try_acquire(nbytes, f"resident gradient buffer of region {region}"):
             return False

@@ -102,7 +102,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     work_fw = f.working_sets(sizes, exclude=set(saved), until={}, fused=fused, inductor=inductor)
     flops_fw, traffic_fw = f.flops(sizes, flop_scale), f.traffic(sizes)
     weights, fetched = _weights(graphs, params, dtype)
-    work_bw, flops_bw, traffic_bw, bw_order, bw_fetched = {}, {}, {}, None, {}
+    work_bw, flops_bw, traffic_bw, bw_order, bw_fetched, grad_in = {}, {}, {}, None, {}, {}
     if bw is not None:
         b = graphs[1]
         bw_order = sorted(b.hull, key=lambda u: b.hull[u][0])
@@ -126,6 +126,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes, flop_scale).items()}
         traffic_bw = {u: sympy.Max(v - traffic_fw.get(u, 0), 0) for u, v in b.traffic(sizes).items()}
         bw_fetched = fetched[1]
+        grad_in = b.incoming(sizes)
     regions = []
     for u in fw_order:
         ws = fetched[0].get(u, ())
@@ -134,7 +135,8 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
             u, ws, tuple(sorted(inputs.get(u, ()), key=fw_order.index)), _int(out_bytes[u]),
             _int(work_fw.get(u, 0)), _int(work_bw.get(u, 0)), _int(flops_fw.get(u, 0)),
             _int(flops_bw.get(u, 0)) if bw is not None else None, bws if bws != ws else None,
-            _int(traffic_fw.get(u, 0)), _int(traffic_bw.get(u, 0)) if bw is not None else None))
+            _int(traffic_fw.get(u, 0)), _int(traffic_bw.get(u, 0)) if bw is not None else None,
+            _int(grad_in.get(u, 0)) if bw is not None else None))
     problem = Problem(tuple(regions), tuple(weights), tuple(bw_order) if bw_order else None,
                       _int(base), training=bw is not None)
     members = {}
@@ -287,6 +289,22 @@ class _Graph:
                 v = self.owner.get(a)
                 if v is not None and v != u:
                     out.setdefault(u, set()).add(v)
+        return out
+
+    def incoming(self, sizes: "_Sizes") -> dict[int, object]:
+        """Per unit, the bytes of the tensors its nodes read that another unit's nodes made,
+        each once. In a backward graph: the gradients of its boundary output that its
+        readers' backward sends it (RegionSpec.grad_in_bytes)."""
+        out: dict[int, object] = {}
+        seen: set[tuple[int, fx.Node]] = set()
+        for n, u in self.owner.items():
+            for a in n.all_input_nodes:
+                b = _base(a)
+                v = self.owner.get(b)
+                if v is None or v == u or b.op == "placeholder" or (u, b) in seen:
+                    continue
+                seen.add((u, b))
+                out[u] = out.get(u, 0) + sizes.bytes(b)
         return out
 
     def outputs(self) -> list[fx.Node]:

@@ -77,6 +77,14 @@ class RegionSpec:
     # compute time beside the FLOPs. Backward without the recompute; default 2 * traffic_fw.
     traffic_fw: object = 0
     traffic_bw: object = None
+    # The gradient its backward receives from the regions that read its boundary output,
+    # bytes (alive from their backward to its own); None: as `out_bytes`. A region keeping
+    # its matmul outputs saves far more than the hidden state whose gradient comes back.
+    grad_in_bytes: object = None
+
+    @property
+    def incoming_grad_bytes(self) -> object:
+        return self.out_bytes if self.grad_in_bytes is None else self.grad_in_bytes
 
     def backward_work(self) -> tuple[object, object]:
         """(FLOPs, traffic bytes) of its recompute + backward, as the cost model charges
@@ -149,7 +157,7 @@ class Problem:
         yield self.base_bytes
         for r in self.regions:
             yield from (r.out_bytes, r.work_fw, r.work_bw, r.flops_fw, r.flops_bw,
-                        r.traffic_fw, r.traffic_bw)
+                        r.traffic_fw, r.traffic_bw, r.grad_in_bytes)
 
     def substitute(self, dims: Mapping | None = None) -> Problem:
         """The same problem with every size evaluated at `dims` ({symbol or name: int})."""
@@ -171,7 +179,8 @@ class Problem:
                                 flops_fw=ev(r.flops_fw, f"region {r.id} flops_fw"),
                                 flops_bw=ev(r.flops_bw, f"region {r.id} flops_bw"),
                                 traffic_fw=ev(r.traffic_fw, f"region {r.id} traffic_fw"),
-                                traffic_bw=ev(r.traffic_bw, f"region {r.id} traffic_bw"))
+                                traffic_bw=ev(r.traffic_bw, f"region {r.id} traffic_bw"),
+                                grad_in_bytes=ev(r.grad_in_bytes, f"region {r.id} grad_in_bytes"))
                         for r in self.regions)
         return replace(self, regions=regions, base_bytes=ev(self.base_bytes, "base_bytes"))
 
@@ -236,7 +245,7 @@ def _check_problem(p: Problem) -> None:
             if len(set(ws)) != len(ws):
                 raise MegatrainValueError(f"region {r.id} lists a weight twice: {ws}")
         for name in ("out_bytes", "work_fw", "work_bw", "flops_fw", "flops_bw", "traffic_fw",
-                     "traffic_bw"):
+                     "traffic_bw", "grad_in_bytes"):
             v = getattr(r, name)
             if isinstance(v, (int, float)) and v < 0:
                 raise MegatrainValueError(f"region {r.id} {name}={v}: sizes must be >= 0")

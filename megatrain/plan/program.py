@@ -185,7 +185,7 @@ def _instance(sh: _Shape, cfg: PlanConfig, m: int, s: int, prog: Program, memory
     for r in sh.fw:
         prog.buffers.extend(_output_buffers(sh, r, r in offl, m, s))
         if r in sh.first_bw_consumer and sh.problem.training:
-            prog.buffers.append(Buffer(("actgrad", r, m, s), R[r].out_bytes,
+            prog.buffers.append(Buffer(("actgrad", r, m, s), R[r].incoming_grad_bytes,
                                        Task("compute", sh.first_bw_consumer[r], "bw", m, s),
                                        Task("compute", r, "bw", m, s)))
     for w, o in sh.owner.items():

@@ -114,6 +114,24 @@ def test_kept_and_mixed_plans_train_like_eager_and_skip_the_matmul_recompute(bui
             assert 2 * fw_mm < _mm_count(g.backward_code) < _mm_count(g0.backward_code)
 
 
+def test_a_kept_region_receives_the_gradient_of_its_boundary_not_of_what_it_saves():
+    """The activation-gradient buffer between two regions' backwards (plan/program.py) is the
+    gradient of the boundary output, read off the backward graph: for every layer of a
+    fully kept Llama, the hidden state's bytes (tokens x hidden, fp32 here), while the
+    layer saves several times that for its own backward."""
+    torch.manual_seed(0)
+    out = train_side_by_side(_llama(), random_batches(96, 1, batch=2, seq=32), _opts(True), steps=1)
+    plan = out["plan"]
+    problem = plan.graphs[0].predicted_schedule.problem
+    layers = {r.id for r in plan.regions if r.name.startswith("layers.")}
+    hidden = 2 * 32 * 48 * 4
+    specs = [r for r in problem.regions if r.id in layers]
+    assert len(specs) == 3
+    for r in specs:
+        assert r.grad_in_bytes == hidden, (r.id, r.grad_in_bytes)
+        assert r.out_bytes > 3 * hidden, (r.id, r.out_bytes)
+
+
 def test_kept_activations_can_wait_in_host_memory(recwarn):
     """Kept regions at a budget that fits only with boundary activations offloaded: the kept
     matmul outputs go to host memory with them, their device bytes freed (attention's output

@@ -46,17 +46,15 @@ from ..memory.layout import ALIGN_ELEMENTS
 from ..plan.events import RegionUse
 from ..plan.problem import Problem, RegionSpec, Weight
 from ..runtime.streamer import GRAD_TRANSFER_DTYPE
-from . import ops, token_chunks
+from . import ops
 from .merges import Merge
-from .op_costs import FUSED_LOSS as _FUSED_LOSS
 from .op_costs import flops as _flops
 from .op_costs import inlined as _inlined
 from .op_costs import is_view as _is_view
 from .op_costs import traffic as _traffic
+from .graph_sizes import GraphSizes
 from .partition import region_of
 
-
-_CUDA_MIN_BLOCK = 512
 
 
 @dataclass
@@ -88,7 +86,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     unit_of, merges = _units(graphs)
     for g in graphs:
         g.own(unit_of)
-    sizes = _Sizes(device)
+    sizes = GraphSizes(device)
     f = graphs[0]
     fw_order = sorted(f.hull, key=lambda u: f.hull[u][0])
     fw_order += sorted(set(unit_of.values()) - set(fw_order))
@@ -291,7 +289,7 @@ class _Graph:
                     out.setdefault(u, set()).add(v)
         return out
 
-    def incoming(self, sizes: "_Sizes") -> dict[int, object]:
+    def incoming(self, sizes: "GraphSizes") -> dict[int, object]:
         """Per unit, the bytes of the tensors its nodes read that another unit's nodes made,
         each once. In a backward graph: the gradients of its boundary output that its
         readers' backward sends it (RegionSpec.grad_in_bytes)."""
@@ -340,7 +338,7 @@ class _Graph:
                 out[n] = next((i for i in handoffs if i > own), own)
         return out
 
-    def working_sets(self, sizes: "_Sizes", exclude: set[fx.Node], until: dict[fx.Node, int],
+    def working_sets(self, sizes: "GraphSizes", exclude: set[fx.Node], until: dict[fx.Node, int],
                      inputs: list[fx.Node] = (), fused: bool = False,
                      inductor: bool = False) -> dict[int, object]:
         """Per unit, the most transient bytes live at once at one of its nodes (symbolic:
@@ -383,7 +381,7 @@ class _Graph:
                 + (sizes.bytes(largest[u][1]) if fused and u in largest else 0)
                 for u, (_, nodes, at) in best.items()}
 
-    def self_saved(self, forward: "_Graph", sizes: "_Sizes") -> dict[int, object]:
+    def self_saved(self, forward: "_Graph", sizes: "GraphSizes") -> dict[int, object]:
         """Saved activations a unit's own backward reads while the planner may already have
         released them (they outlive only their consumers there): counted in its work."""
         made = {n.name: forward.owner.get(n) for n in forward.nodes}
@@ -397,10 +395,10 @@ class _Graph:
                 out[u] = out.get(u, 0) + sizes.total([p])
         return out
 
-    def traffic(self, sizes: "_Sizes") -> dict[int, object]:
+    def traffic(self, sizes: "GraphSizes") -> dict[int, object]:
         return _traffic(self.nodes, self.owner, sizes.device, sizes.expr)
 
-    def flops(self, sizes: "_Sizes", scale: dict | None = None) -> dict[int, object]:
+    def flops(self, sizes: "GraphSizes", scale: dict | None = None) -> dict[int, object]:
         """Per unit, FLOPs at the probe's matmul rate: each node's FLOPs times its `scale`
         (that rate over the one its own shape reaches, where measured)."""
         out: dict[int, object] = {}
@@ -518,99 +516,3 @@ def _weights(graphs: list[_Graph], params, dtype):
                 per_unit.setdefault(u, []).append(wid)
         fetched.append({u: tuple(ws) for u, ws in per_unit.items()})
     return sorted(weights.values(), key=lambda w: w.id), fetched
-
-
-class _Sizes:
-    """Bytes and FLOPs of fake tensors as sympy expressions over the graph's symbols."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.env = None  # the ShapeEnv of the first symbolic size seen
-        # Weight gradients that leave the GPU from an fp32 snapshot (runtime/streamer.py:
-        # the upcast copy outlives the gradient, to the next hand-off): counted at 4 bytes
-        # per element over the gradient's whole life, which errs on the side of more.
-        self.fp32_snapshots: set[fx.Node] = set()
-
-    def _itemsize(self, n: fx.Node, x: torch.Tensor) -> int:
-        return max(x.element_size(), 4) if n in self.fp32_snapshots else x.element_size()
-
-    def expr(self, v):
-        if isinstance(v, (torch.SymInt, torch.SymFloat)):
-            self.env = self.env or v.node.shape_env
-            return v.node.expr
-        return sympy.Integer(int(v))
-
-    def _tensors(self, n: fx.Node):
-        v = n.meta.get("val")
-        vals = v if isinstance(v, (list, tuple)) else [v]
-        return [x for x in vals if isinstance(x, torch.Tensor) and x.device.type == self.device.type]
-
-    @property
-    def _rounding(self) -> int:
-        """Bytes the allocator may add to one tensor: CUDA's caching allocator rounds every
-        allocation up to a multiple of 512 bytes (kMinBlockSize), ceil(b/512)*512 <= b + 511.
-        Nothing at 1B parameters; 3% of a toy model's peak (phi3 of the zoo test)."""
-        return _CUDA_MIN_BLOCK - 1 if self.device.type == "cuda" else 0
-
-    def bytes(self, n: fx.Node):
-        total = sympy.Integer(0)
-        for x in self._tensors(n):
-            total += self._numel(x.shape) * self._itemsize(n, x) + self._rounding
-        return total
-
-    def hint(self, n: fx.Node) -> int:
-        from .sizes import tensor_nbytes
-
-        return sum(tensor_nbytes(x) * self._itemsize(n, x) // x.element_size() + self._rounding
-                   for x in self._tensors(n))
-
-    def scratch(self, n: fx.Node):
-        """Bytes `n` allocates and frees inside itself, invisible in the graph: the fused
-        linear-cross-entropy's chunk of logits ([min(chunk, tokens), vocab] in the hidden
-        states' dtype) and its per-token fp32 losses (kernels/fused_linear_cross_entropy.py);
-        a token_chunks subgraph's intermediates for one chunk (runtime/token_chunks.py)."""
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-            return sympy.Integer(0)
-        chunked = token_chunks.profile_of(n)
-        if chunked is not None:
-            return self._chunk_scratch(n, *chunked)
-        if n.target.name() != _FUSED_LOSS:
-            return sympy.Integer(0)
-        hidden, weight, chunk = n.args[0].meta["val"], n.args[1].meta["val"], n.args[5]
-        if hidden.device.type != self.device.type:
-            return sympy.Integer(0)
-        tokens, vocab = self.expr(hidden.shape[0]), self.expr(weight.shape[0])
-        return sympy.Min(int(chunk), tokens) * vocab * hidden.element_size() + tokens * 4
-
-    def _chunk_scratch(self, n: fx.Node, profile, tokens, chunk: int):
-        """One chunk's intermediates in the forward; in the backward, those recomputed with
-        autograd's saved copies and their gradients (twice), the parameters' fp32 running
-        sums and one chunk's parameter gradients."""
-        rows = sympy.Min(chunk, self.expr(tokens)) * profile.bytes_per_token
-        if n.target.name() != token_chunks.BACKWARD_OP:
-            return rows
-        params = [p.meta["val"] for p in n.args[2]]
-        sums = sum(self._numel(p.shape) * (4 + p.element_size()) for p in params)
-        return 2 * rows + sums
-
-    def _numel(self, shape):
-        out = sympy.Integer(1)
-        for s in shape:
-            out *= self.expr(s)
-        return out
-
-    def scratch_hint(self, n: fx.Node) -> int:
-        v = self.scratch(n)
-        return int(v) if v.is_number else int(v.subs(self._values(v.free_symbols)))
-
-    def _values(self, syms) -> dict:
-        """The symbols' values for the shapes being compiled."""
-        hints = getattr(self.env, "backed_var_to_val", None) or self.env.var_to_val  # torch 2.13 / 2.11
-        return {s: int(hints[s]) if s in hints else int(self.env.size_hint(s)) for s in syms}
-
-    def total(self, nodes) -> object:
-        return sympy.expand(sum((self.bytes(n) for n in nodes), sympy.Integer(0)))
-
-    def dims(self, problem: Problem) -> dict:
-        syms = problem.free_symbols
-        return self._values(syms) if syms else {}

@@ -165,11 +165,11 @@ def test_no_plan_without_the_fused_loss_is_tried_where_the_logits_alone_overflow
 @pytest.mark.parametrize("tokens,chunk", [(40, 16), (12, 16)])
 def test_planner_counts_the_fused_loss_scratch(tokens, chunk):
     """The fused loss allocates one chunk of logits and per-token losses inside itself,
-    where the graph cannot show them; the planner adds them at the op (problem._Sizes)."""
+    where the graph cannot show them; the planner adds them at the op (graph_sizes.GraphSizes)."""
     import torch.fx as fx
 
     import megatrain.kernels.fused_linear_cross_entropy  # noqa: F401  (registers the op)
-    from megatrain.compiler.problem import _Sizes
+    from megatrain.compiler.graph_sizes import GraphSizes
 
     vocab, hidden = 96, 8
     g = fx.Graph()
@@ -179,7 +179,7 @@ def test_planner_counts_the_fused_loss_scratch(tokens, chunk):
     y.meta["val"] = torch.empty(tokens, dtype=torch.long)
     op = torch.ops.megatrain.fused_linear_cross_entropy.default
     n = g.call_function(op, (h, w, y, -100, "mean", chunk, True, True))
-    sizes = _Sizes(torch.device("cpu"))
+    sizes = GraphSizes(torch.device("cpu"))
     expected = min(chunk, tokens) * vocab * 2 + tokens * 4
     assert sizes.scratch_hint(n) == expected
     assert sizes.scratch_hint(h) == 0

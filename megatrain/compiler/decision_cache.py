@@ -11,8 +11,8 @@ validated from its real graphs as on a miss, and where that plan does not fit, e
 recomputes as before. A stale entry can cost speed, never correctness. The key covers what
 the choice is a function of:
 - the joint graph: each node's op, target, arguments, region and result shape and dtype;
-- the options (the host memory rounded to a GiB: its default is read from the free RAM at
-  each compile, and a few MiB either way do not change a choice);
+- the options (the host memory rounded to 4 GiB: its default is read from the free RAM at
+  each compile, and a few GiB either way rarely change a choice);
 - the rates the plans are scored with (the probe's and the kernel timings' cache files);
 - megatrain's own source, so a changed cost model or chooser is a new key.
 State the key does not see (resident state placed by another graph of the same process)
@@ -37,7 +37,9 @@ from ..plan.keep import KeepChoice
 from ..runtime.probe import cache_dir, cache_path, device_name
 from .options import Options
 
-_GIB = 1 << 30
+# The host memory in the key, rounded to this: its default is read from the free RAM at
+# each compile, which moves by GiBs between two processes (or two compiles beside a busy one).
+_HOST_QUANTUM = 4 << 30
 _FORMAT = 1
 
 
@@ -55,7 +57,7 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
 
 def key(graph: str, opts: Options) -> str:
     """The cache key of a choice for the graph fingerprinted `graph` under `opts`."""
-    host = None if opts.host_memory is None else round(opts.host_memory / _GIB)
+    host = None if opts.host_memory is None else round(opts.host_memory / _HOST_QUANTUM)
     h = hashlib.sha256()
     for part in (str(_FORMAT), graph, repr(dataclasses.replace(opts, host_memory=host)),
                  _rates_files(opts.device), _source()):

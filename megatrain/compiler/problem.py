@@ -91,6 +91,10 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
     fw_order = sorted(f.hull, key=lambda u: f.hull[u][0])
     fw_order += sorted(set(unit_of.values()) - set(fw_order))
     inputs = f.edges()
+    readers: dict[int, set[int]] = {}
+    for v, us in inputs.items():
+        for u in us:
+            readers.setdefault(u, set()).add(v)
     saved_names = {n.name for n in graphs[1].nodes if n.op == "placeholder"} if bw is not None else set()
     saved = [n for n in f.outputs() if n.name in saved_names]
     saved_by_unit = {u: [n for n in saved if f.owner.get(n) == u] for u in fw_order}
@@ -124,7 +128,7 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
         flops_bw = {u: sympy.Max(v - flops_fw.get(u, 0), 0) for u, v in b.flops(sizes, flop_scale).items()}
         traffic_bw = {u: sympy.Max(v - traffic_fw.get(u, 0), 0) for u, v in b.traffic(sizes).items()}
         bw_fetched = fetched[1]
-        grad_in = b.incoming(sizes)
+        grad_in = b.incoming(sizes, readers)
     regions = []
     for u in fw_order:
         ws = fetched[0].get(u, ())
@@ -134,7 +138,9 @@ def build_problem(fw: fx.GraphModule, bw: fx.GraphModule | None, params: list[to
             _int(work_fw.get(u, 0)), _int(work_bw.get(u, 0)), _int(flops_fw.get(u, 0)),
             _int(flops_bw.get(u, 0)) if bw is not None else None, bws if bws != ws else None,
             _int(traffic_fw.get(u, 0)), _int(traffic_bw.get(u, 0)) if bw is not None else None,
-            _int(grad_in.get(u, 0)) if bw is not None else None))
+            # at most what it saves: where more comes back (an fp32 gradient of a bf16
+            # boundary), the saved bytes stand, as before the graph was read for it
+            _int(sympy.Min(grad_in.get(u, 0), out_bytes[u])) if bw is not None else None))
     problem = Problem(tuple(regions), tuple(weights), tuple(bw_order) if bw_order else None,
                       _int(base), training=bw is not None)
     members = {}
@@ -289,17 +295,18 @@ class _Graph:
                     out.setdefault(u, set()).add(v)
         return out
 
-    def incoming(self, sizes: "GraphSizes") -> dict[int, object]:
-        """Per unit, the bytes of the tensors its nodes read that another unit's nodes made,
-        each once. In a backward graph: the gradients of its boundary output that its
-        readers' backward sends it (RegionSpec.grad_in_bytes)."""
+    def incoming(self, sizes: "GraphSizes", readers: dict[int, set[int]]) -> dict[int, object]:
+        """Per unit, the bytes of the tensors its nodes read that the units in
+        ``readers[unit]`` made, each once. In a backward graph, with the units whose forward
+        reads a unit's boundary output as its readers: the gradients of that output their
+        backward sends it (RegionSpec.grad_in_bytes)."""
         out: dict[int, object] = {}
         seen: set[tuple[int, fx.Node]] = set()
         for n, u in self.owner.items():
             for a in n.all_input_nodes:
                 b = _base(a)
                 v = self.owner.get(b)
-                if v is None or v == u or b.op == "placeholder" or (u, b) in seen:
+                if v is None or v not in readers.get(u, ()) or b.op == "placeholder" or (u, b) in seen:
                     continue
                 seen.add((u, b))
                 out[u] = out.get(u, 0) + sizes.bytes(b)

@@ -48,7 +48,9 @@ def cache(monkeypatch, tmp_path):
 
 
 def _opts(gpu_memory=BUDGET, **extra):
-    return {"device": "cpu", "precision": "fp32", "lowering": "eager", "gpu_memory": gpu_memory, **extra}
+    # host_memory given: its default follows the free RAM, which other tests move
+    return {"device": "cpu", "precision": "fp32", "lowering": "eager", "gpu_memory": gpu_memory,
+            "host_memory": "8GiB", **extra}
 
 
 def _assert_like_eager(out):

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from .. import config
 from ..errors import MegatrainValueError
 from ..plan.keep import KeepChoice, choose_kept, comparable
 from ..plan.search import InfeasibleBudget, OffloadRoomExceeded, plan_step
-from .. import config
 from . import decide, decision_cache, rates, update_sites
 from .options import Options
 from .passes import gradient_handoffs

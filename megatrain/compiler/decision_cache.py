@@ -17,7 +17,7 @@ the choice is a function of:
 - megatrain's own source, so a changed cost model or chooser is a new key.
 State the key does not see (resident state placed by another graph of the same process)
 can make a cached choice less good than a fresh one, not wrong. `megatrain.config.
-decision_cache = False` turns the cache off (the tests' setting).
+decision_cache = False` turns the cache off (the tests' setting; compiler/keep.py reads it).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from .. import config
 from ..plan.keep import KeepChoice
+from ..runtime import kernel_probe
 from ..runtime.probe import cache_dir, cache_path, device_name
 from .options import Options
 
@@ -68,8 +68,6 @@ def key(graph: str, opts: Options) -> str:
 
 def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
     """(the kept graph regions, the chooser's answer) stored under `k`, or None."""
-    if not config.decision_cache:
-        return None
     try:
         entry = json.loads(_path(k).read_text())
         choice = entry["choice"]
@@ -82,8 +80,6 @@ def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
 
 def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
     """Remember the choice under `k` (best effort: a cache that cannot be written is skipped)."""
-    if not config.decision_cache:
-        return
     entry = {"regions": sorted(regions), "choice": None if choice is None else {
         "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored)}}
     path = _path(k)
@@ -102,10 +98,8 @@ def _path(k: str) -> Path:
 
 def _rates_files(device: torch.device) -> str:
     """The contents of the probe's and the kernel timings' cache files for `device`."""
-    rates = cache_path(device_name(device))
-    kernels = rates.with_name(rates.stem.replace("rates-", "kernels-") + ".json")
     out = []
-    for p in (rates, kernels):
+    for p in (cache_path(device_name(device)), kernel_probe.cache_file(device)):
         try:
             out.append(p.read_text())
         except OSError:

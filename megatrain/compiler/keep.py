@@ -16,6 +16,7 @@ recompute pair stands. A choice made once is remembered across processes
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,14 +89,7 @@ def _remembered(split, regions: frozenset[int],
     chosen = Split(*split(regions), kept=regions)
     if not regions:
         return chosen, lambda: chosen, choice
-    plain: list[Split] = []
-
-    def fallback() -> Split:
-        if not plain:
-            plain.append(Split(*split(frozenset())))
-        return plain[0]
-
-    return chosen, fallback, choice
+    return chosen, functools.cache(lambda: Split(*split(frozenset()))), choice
 
 
 def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,

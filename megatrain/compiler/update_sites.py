@@ -153,7 +153,8 @@ def resident_sites(regions: Sequence[GradientRegion], params: Sequence[torch.Ten
         if g.region in chosen:
             continue
         group = groups[g.region]
-        state, waiting = resident.group_bytes({r: pids[r] for r in group}, params)
+        state, buffers = resident.group_bytes({r: pids[r] for r in group}, params)
+        waiting = sum(buffers.values())
         if state + waiting <= left:
             chosen.extend(r for r in reversed(pids) if r in group)
             left -= state + waiting   # the runtime books the waiting buffers at admission too

@@ -105,24 +105,18 @@ def sharing_groups(regions: dict[int, list[int]]) -> dict[int, frozenset[int]]:
     return {r: frozenset(members[find(r)]) for r in regions}
 
 
-def group_bytes(regions: dict[int, list[int]], params: list) -> tuple[int, int]:
-    """(device bytes of the state of the parameters of ``regions``, each once; bytes of
-    the fp32 buffers their shared parameters' first pieces wait in: one per region
-    holding one, laid out like the region, as the runtime lends them)."""
+def group_bytes(regions: dict[int, list[int]], params: list) -> tuple[int, dict[int, int]]:
+    """(device bytes of the state of the parameters of ``regions``, each once; per region
+    holding a parameter another of them holds too, the bytes of the fp32 buffer laid out
+    like the region that its gradient pieces wait in, as the runtime lends them)."""
     pids = list(dict.fromkeys(p for ps in regions.values() for p in ps))
     state = resident_bytes([params[p].shape for p in pids])
-    return state, sum(waiting_buffers(regions, params).values())
-
-
-def waiting_buffers(regions: dict[int, list[int]], params: list) -> dict[int, int]:
-    """Per region holding a parameter another of ``regions`` holds too, the bytes of the
-    fp32 buffer laid out like the region that its gradient pieces wait in."""
     count: dict[int, int] = {}
     for ps in regions.values():
         for p in set(ps):
             count[p] = count.get(p, 0) + 1
-    return {r: 4 * sum(params[p].numel() for p in ps) for r, ps in regions.items()
-            if any(count[p] > 1 for p in ps)}
+    return state, {r: 4 * sum(params[p].numel() for p in ps) for r, ps in regions.items()
+                   if any(count[p] > 1 for p in ps)}
 
 
 @dataclass

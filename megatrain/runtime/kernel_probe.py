@@ -24,6 +24,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,14 +48,19 @@ class KernelShape:
         return json.dumps([self.kind, self.shapes, self.dtype, self.flags, self.backward])
 
 
+def cache_file(device: torch.device) -> Path:
+    """Where `device`'s kernel timings are cached: beside the probe's rates."""
+    rates = cache_path(device_name(device))
+    return rates.with_name(rates.stem.replace("rates-", "kernels-") + ".json")
+
+
 def measured_rates(device: torch.device, shapes: list[KernelShape],
                    flops: dict[KernelShape, int], probe_flops: float) -> dict[KernelShape, float]:
     """FLOP/s of each shape on `device` (`flops`: its FLOPs as the cost model counts them;
     `probe_flops`: the probe's matmul rate, which bounds how much of a shape is timed),
     from the cache or measured now and cached. A shape that cannot be timed here is left
     out: the cost model charges it at the probe's matmul rate."""
-    path = cache_path(device_name(device)).with_name(
-        cache_path(device_name(device)).stem.replace("rates-", "kernels-") + ".json")
+    path = cache_file(device)
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -89,11 +89,9 @@ class ResidentRegions:
             group = self.groups[region]
             if any(r in self.regions or r in self.demoted for r in group):
                 continue
-            members = {r: self.candidates[r] for r in group}
-            nbytes, _ = resident_mod.group_bytes(members, self.params)
             # the buffers the first pieces of a shared gradient wait in are booked now, so
             # that regions admitted after these cannot take their room (_lend_buffers)
-            waiting = resident_mod.waiting_buffers(members, self.params)
+            nbytes, waiting = resident_mod.group_bytes({r: self.candidates[r] for r in group}, self.params)
             total = nbytes + sum(waiting.values())
             if self.reserve.fits(total + keep_free) and self.reserve.try_acquire(
                     total, f"resident state of region(s) {sorted(group)}"):

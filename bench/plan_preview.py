@@ -105,6 +105,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
     import megatrain.compiler.backend as backend
     from megatrain.compiler import options as options_mod
     from megatrain.compiler import keep as keep_mod
+    from megatrain.compiler import op_costs
     from megatrain.compiler import rates as rates_mod
     from megatrain.compiler import schedule as schedule_mod
     from megatrain.compiler import update_sites
@@ -157,6 +158,8 @@ def _stop_after_planning(sites: bool = False, rates=None):
     # fused kernel, and what Inductor never writes left out), in the chooser's scoring too
     real_fused = options_mod.Options.fused_lowering
     options_mod.Options.fused_lowering = property(lambda self: self.lowering == "inductor")
+    # and as for Triton's kernels, which recompute a shared transcendental in each reader
+    real_heavy, op_costs._HEAVY_ON_CPU = op_costs._HEAVY_ON_CPU, ()
     if rates is not None:
         schedule_mod.compile_rates = lambda device: rates
     try:
@@ -167,6 +170,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
         schedule_mod.compile_rates = real_rates
         rates_mod.CALIBRATED, keep_mod.choose = real_calibrated, real_keep
         options_mod.Options.fused_lowering = real_fused
+        op_costs._HEAVY_ON_CPU = real_heavy
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,

@@ -162,7 +162,7 @@ def traffic(nodes: list[fx.Node], owner: dict[fx.Node, int], device: torch.devic
             a = a.args[0]
         return a
 
-    bound = [n for n in nodes if n in owner and _memory_bound(n)]
+    bound = [n for n in nodes if n in owner and memory_bound(n)]
     group = {n: n for n in bound}
 
     def find(n):
@@ -212,7 +212,9 @@ def _chunked_traffic(n: fx.Node, chunked):
     return passes * 2 * tokens * profile.bytes_per_token
 
 
-def _memory_bound(n: fx.Node) -> bool:
+def memory_bound(n: fx.Node) -> bool:
+    """Whether `n` is work for a kernel Inductor generates: it computes (no view), with no
+    matmul or attention (extern calls), transfer or other custom op."""
     if n.op != "call_function" or is_view(n):
         return False
     t = n.target
@@ -241,14 +243,14 @@ def _read_outside(n: fx.Node, g: fx.Node, group: dict, find) -> bool:
 _INLINE_READS_ONE_READER = 8  # realize_acc_reads_threshold
 # ... and with several readers (each recomputes it) unless it reads more than this many,
 _INLINE_READS_SHARED = 4  # realize_reads_threshold
-# or its expression has more ops than this, or (Inductor's CPU heuristic, taken everywhere:
-# it errs on more bytes) it calls a transcendental.
+# or its expression has more ops than this, or, on the CPU only, it calls a transcendental
+# (`should_realize_on_reuse`: a C++ loop recomputing one costs more than the bytes saved).
 _INLINE_OPS_SHARED = 30  # realize_opcount_threshold
-_HEAVY = ("exp", "sigmoid")
+_HEAVY_ON_CPU = ("exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh")
 
 
-def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
-            written: set[fx.Node] = frozenset()) -> tuple[set[fx.Node], dict[fx.Node, int]]:
+def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int], written: set[fx.Node] = frozenset(),
+            cpu: bool = False) -> tuple[set[fx.Node], dict[fx.Node, int]]:
     """The pointwise nodes Inductor computes inside their readers' kernels and never writes
     to memory, and for each the position in `nodes` where it reads its inputs (its last
     reader's). Such a node is an aten op tagged pointwise whose every reader (through
@@ -256,7 +258,8 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
     inlined producers it pulls in) reads few enough buffers and is cheap enough to repeat in
     each reader (the thresholds above). What a matmul, attention, a transfer, a custom op, a
     graph output or another unit reads is written, so is every reduction's result, and so
-    is what the caller knows is (`written`)."""
+    is what the caller knows is (`written`). `cpu`: Inductor's C++ kernels, which write
+    a shared transcendental's result rather than recompute it."""
     out: set[fx.Node] = set()
     reads: dict[fx.Node, frozenset] = {}
     ops: dict[fx.Node, int] = {}
@@ -266,7 +269,7 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
         if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) \
                 or torch.Tag.pointwise not in t.tags or n not in owner:
             continue
-        srcs, count, hot = set(), 1, t.overloadpacket.__name__ in _HEAVY
+        srcs, count, hot = set(), 1, cpu and t.overloadpacket.__name__ in _HEAVY_ON_CPU
         for a in n.all_input_nodes:
             s = _source(a)
             if _constant(s):
@@ -278,7 +281,7 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
             else:
                 srcs.add(s)
         reading = readers(n)
-        if not reading or not all(_memory_bound(r) and owner.get(r) == owner[n] for r in reading):
+        if not reading or not all(memory_bound(r) and owner.get(r) == owner[n] for r in reading):
             continue
         if len(reading) == 1:
             ok = len(srcs) <= _INLINE_READS_ONE_READER
@@ -293,6 +296,101 @@ def inlined(nodes: list[fx.Node], owner: dict[fx.Node, int],
         if n in out:
             reads_at[n] = max(reads_at.get(r, len(nodes) if r.op == "output" else pos[r]) for r in readers(n))
     return out, reads_at
+
+
+# Views that keep every element where it was (a reshape of contiguous memory): a kernel
+# reading its input through them indexes it as it writes its output.
+_ORDER_KEEPING_VIEWS = frozenset(
+    getattr(packet, overload)
+    for packet in (getattr(torch.ops.aten, name) for name in ("view", "_unsafe_view", "reshape", "squeeze",
+                                                               "unsqueeze", "alias"))
+    for overload in packet.overloads())
+
+
+def inplace_reuses(nodes: list[fx.Node], owner: dict[fx.Node, int], inlined_nodes: set[fx.Node],
+                   last_read: dict[fx.Node, int]) -> dict[fx.Node, fx.Node]:
+    """The results Inductor writes into the buffer of an input its kernel is the last to
+    read, each with that input (torch._inductor.scheduler `decide_inplace_update`, on by
+    default, `config.inplace_buffers`; buffer reuse across kernels, which megatrain turns
+    off, is another thing). So a loss's backward writes its [tokens, vocab] gradient over
+    the logits it recomputed, and holds one such buffer, not two. Inductor's conditions,
+    read off the FX graph and taken strictly (a reuse counted that Inductor does not make
+    would under-count the step):
+    - the result is a pointwise kernel's, not inlined into a reader;
+    - the input is a matmul's or attention's (an extern kernel's output, surely written;
+      no graph input, which Inductor never overwrites unless donated), of the same dtype
+      and element count;
+    - the kernel reads it only as it writes its result (directly, through inlined
+      pointwise nodes and views that keep the element order: no transpose, no broadcast);
+    - no node after the kernel reads it (`last_read`: the walk's last-reader positions,
+      inlined readers at their kernels'), and every other reader is one the result
+      depends on or an extern kernel before it: a sibling reader fused into the same
+      kernel (SwiGLU's backward reads the gate projection for two results) keeps the
+      input from being overwritten.
+    One input serves one result."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    pos = {n: i for i, n in enumerate(nodes)}
+    taken: set[fx.Node] = set()
+    out: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        t = n.target
+        if n.op != "call_function" or n in inlined_nodes or n not in owner \
+                or not isinstance(t, torch._ops.OpOverload) or torch.Tag.pointwise not in t.tags:
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for s, same_order in _kernel_reads(n, inlined_nodes).items():
+            sval = s.meta.get("val")
+            if not (same_order and s not in taken and last_read.get(s) == pos[n] and isinstance(sval, torch.Tensor)
+                    and s.op == "call_function" and not is_view(s) and flops(s)
+                    and sval.dtype == val.dtype and statically_known_true(sval.numel() == val.numel())):
+                continue
+            before = _ancestors(n, min(pos[r] for r in readers(s)), pos)
+            if all(r is n or r in before or (not memory_bound(r) and pos[r] < pos[n]) for r in readers(s)):
+                out[n] = s
+                taken.add(s)
+                break
+    return out
+
+
+def _ancestors(n: fx.Node, since: int, pos: dict[fx.Node, int]) -> set[fx.Node]:
+    """The nodes at or after position `since` that `n` depends on."""
+    seen: set[fx.Node] = set()
+    todo = list(n.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a not in seen and pos.get(a, -1) >= since:
+            seen.add(a)
+            todo.extend(a.all_input_nodes)
+    return seen
+
+
+def _kernel_reads(n: fx.Node, inlined_nodes: set[fx.Node]) -> dict[fx.Node, bool]:
+    """The buffers `n`'s kernel reads (through views and the inlined nodes it computes),
+    each with whether every read indexes it in the order `n` is written."""
+    out: dict[fx.Node, bool] = {}
+    todo = [(a, True) for a in n.all_input_nodes]
+    while todo:
+        a, ok = todo.pop()
+        while a.op == "call_function" and is_view(a) and a.args and isinstance(a.args[0], fx.Node):
+            ok = ok and a.target in _ORDER_KEEPING_VIEWS
+            a = a.args[0]
+        if a in inlined_nodes:
+            todo.extend((x, ok and _same_shape(x, a)) for x in a.all_input_nodes)
+        else:
+            out[a] = out.get(a, True) and ok
+    return out
+
+
+def _same_shape(x: fx.Node, y: fx.Node) -> bool:
+    """`x` feeds `y` element by element (no broadcast), as far as their shapes say."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    a, b = x.meta.get("val"), y.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
+        and all(statically_known_true(i == j) for i, j in zip(a.shape, b.shape))
 
 
 # Ops that make a tensor from scalars alone: Inductor lowers them to a constant expression

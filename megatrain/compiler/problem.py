@@ -50,7 +50,9 @@ from . import ops
 from .merges import Merge
 from .op_costs import flops as _flops
 from .op_costs import inlined as _inlined
+from .op_costs import inplace_reuses as _inplace_reuses
 from .op_costs import is_view as _is_view
+from .op_costs import memory_bound as _memory_bound
 from .op_costs import traffic as _traffic
 from .graph_sizes import GraphSizes
 from .partition import region_of
@@ -354,7 +356,8 @@ class _Graph:
         `fused` adds the unit's largest transient tensor; `inductor` leaves out what
         Inductor never writes (module docstring)."""
         end = len(self.nodes)
-        inlined, reads_at = _inlined(self.nodes, self.owner, set(until)) if inductor else (set(), {})
+        inlined, reads_at = (_inlined(self.nodes, self.owner, set(until), cpu=sizes.device.type == "cpu")
+                             if inductor else (set(), {}))
         exclude = exclude | inlined
         last: dict[fx.Node, int] = {}
         for i, n in enumerate(self.nodes):
@@ -362,6 +365,7 @@ class _Graph:
                 at = end if n.op == "output" else reads_at.get(n, i)
                 last[_base(a)] = max(last.get(_base(a), at), at)
         last.update(until)
+        overwrites = _inplace_reuses(self.nodes, self.owner, inlined, last) if inductor else {}
         live: dict[fx.Node, int] = {}
         frees: dict[int, list[fx.Node]] = {}
         total = 0
@@ -374,10 +378,14 @@ class _Graph:
                     and n not in exclude:
                 b = sizes.hint(n)
                 if b:
+                    taken = overwrites.get(n)
+                    if taken in live:  # written over an input that dies here: no new buffer
+                        total -= live.pop(taken)
+                        frees[i].remove(taken)
                     live[n] = b
                     total += b
                     frees.setdefault(last.get(n, i), []).append(n)
-                    if u is not None and b > largest.get(u, (0,))[0]:
+                    if u is not None and taken is None and _memory_bound(n) and b > largest.get(u, (0,))[0]:
                         largest[u] = (b, n)
             scratch = sizes.scratch_hint(n)  # what `n` allocates and frees inside itself
             if u is not None and total + scratch > best.get(u, (-1,))[0]:

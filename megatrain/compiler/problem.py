@@ -15,13 +15,13 @@
                  CUDA at fp32 size (it leaves from an fp32 snapshot). With `inductor`, without
                  the pointwise results Inductor computes inside their readers' loops and
                  never writes (op_costs.inlined), their inputs read where those readers
-                 run. With `fused` (Inductor's Triton kernels) plus the unit's largest
-                 transient: a fused kernel computes several nodes at once, so one of them
-                 may be allocated before, or freed after, the moment the walk in FX order
-                 gives it (under
-                 Inductor with buffer reuse off, a step's peak exceeded the walk's by
-                 less than its largest transient; on the CPU, Inductor's C++ kernels stay
-                 within the walk: test_memory_contract)
+                 run, and a result Inductor writes over a dying matmul output in place
+                 (op_costs.inplace_reuses) takes that buffer. With `fused` (Inductor's
+                 Triton kernels) plus the unit's largest fresh fused-kernel result: a fused
+                 kernel computes several nodes at once, so one of them may be allocated
+                 before the moment the walk in FX order gives it (a step's peak exceeded
+                 the plain walk's by less than that; on the CPU, Inductor's C++ kernels
+                 stay within the walk: test_memory_contract, test_inductor_walk)
     flops        matmul/attention FLOPs (torch's flop formulas), each node's at the probe's
                  matmul rate where its own shape was timed (flop_scale); backward minus forward
     traffic      device memory bytes of the memory-bound kernels (op_costs.py); backward

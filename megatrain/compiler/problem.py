@@ -353,8 +353,9 @@ class _Graph:
         """Per unit, the most transient bytes live at once at one of its nodes (symbolic:
         the set of tensors live at that moment, judged by the current sizes). `until`
         overrides where a tensor dies; `inputs` (placeholders) count until their last use;
-        `fused` adds the unit's largest transient tensor; `inductor` leaves out what
-        Inductor never writes (module docstring)."""
+        `fused` adds the unit's largest fresh fused-kernel result; `inductor` leaves out
+        what Inductor never writes and counts what it writes in place once (module
+        docstring)."""
         end = len(self.nodes)
         inlined, reads_at = (_inlined(self.nodes, self.owner, set(until), cpu=sizes.device.type == "cpu")
                              if inductor else (set(), {}))

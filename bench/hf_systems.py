@@ -26,7 +26,7 @@ import child_phase
 import hf_models
 from fit_check import _oom_line, _out_of_memory, _refuse_if_unfit
 from host_memory import _memory_now, _PinnedWatch, _rss_phases, _status
-from megatrain_stats import _megatrain_stats
+from megatrain_stats import _megatrain_stats, host_rates_again
 from presets import _tokens
 from step_diagnostics import _memory_at_peak, _profile_step, compile_split
 from systems import _load_cuda_libraries
@@ -259,6 +259,8 @@ def run_system(args, n_params: int) -> dict:
     }
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
+        if cuda:
+            row["host_rates_after_run"] = host_rates_again(device)
         row["dynamo_graphs"] = row["dynamo_graphs"] or len(megatrain.explain(step_fn).graphs)
         # step 1 less the backend's phases and a steady step: dynamo's tracing, mostly
         row["compile_dynamo_s"] = times[0] - sum(row["compile_phases_s"].values()) - step

@@ -107,3 +107,17 @@ def recompute_flops(graph) -> float:
     kept, units = graph.kept_regions, graph.schedule.units
     return sum(float(r.flops_fw) for r in graph.predicted_schedule.problem.regions
                if not set(units.get(r.id, (r.id,))) <= kept)
+
+
+def host_rates_again(device) -> dict:
+    """The host AdamW rates the planner reads (runtime/probe.py), timed once more after the
+    timed steps on the same machine: beside the row's `planned_rates` (the compile's probe)
+    they say how far the probe moves within one machine, and beside `host_updates_by_phase`
+    how far it is from the rate training reached (G params/s)."""
+    import torch
+
+    from megatrain.runtime.probe import probe
+
+    rates, _ = probe(device)
+    torch.cuda.empty_cache()  # the probe's blocks back, as the backend's probe hands them
+    return {"adamw": rates.adamw, "adamw_quiet": rates.adamw_quiet}

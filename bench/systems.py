@@ -23,7 +23,7 @@ from host_memory import (
     _smaps_rollup,
     _status,
 )
-from megatrain_stats import _megatrain_stats, _streamers
+from megatrain_stats import _megatrain_stats, _streamers, host_rates_again
 from presets import _config, _model, _param_count, _tokens
 from step_diagnostics import _memory_at_peak, _profile_step, compile_split
 
@@ -343,6 +343,8 @@ def run_system(args) -> dict:
                                            if args.checkpoint == "layers" else 0.0)
     if args.system == "megatrain":
         row.update(_megatrain_stats(step_fn))
+        if cuda:
+            row["host_rates_after_run"] = host_rates_again(device)
         row["pcie_gbs"] = (row["h2d_bytes"] + row["d2h_bytes"]) / times[-1] / 1e9
         # the rate weight copies reached while they ran (contention with the optimizer's
         # host memory traffic and the gradient copies shows here)

@@ -20,6 +20,7 @@ reads.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import sympy
@@ -37,9 +38,14 @@ def is_view(n: fx.Node) -> bool:
     t = n.target
     if t is operator.getitem:
         return True
-    if not isinstance(t, torch._ops.OpOverload):
-        return False
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in t._schema.returns)
+    return isinstance(t, torch._ops.OpOverload) and _returns_a_view(t)
+
+
+@functools.cache
+def _returns_a_view(op: torch._ops.OpOverload) -> bool:
+    """Whether `op` returns an alias of an input it does not write (its schema says so):
+    read once per operator, since the planner asks for every node of every graph."""
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in op._schema.returns)
 
 
 def flops(n: fx.Node):

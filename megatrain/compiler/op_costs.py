@@ -329,10 +329,10 @@ def inplace_reuses(nodes: list[fx.Node], owner: dict[fx.Node, int], inlined_node
     - the kernel reads it only as it writes its result (directly, through inlined
       pointwise nodes and views that keep the element order: no transpose, no broadcast);
     - no node after the kernel reads it (`last_read`: the walk's last-reader positions,
-      inlined readers at their kernels'), and every other reader is one the result
-      depends on or an extern kernel before it: a sibling reader fused into the same
-      kernel (SwiGLU's backward reads the gate projection for two results) keeps the
-      input from being overwritten.
+      inlined readers at their kernels'), and every other kernel reading it (an inlined
+      reader stands for the kernels computing it) is one the result depends on or an
+      extern kernel before it: a sibling fused into the same kernel (SwiGLU's backward
+      reads the gate projection for two results) keeps the input from being overwritten.
     One input serves one result."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -353,11 +353,26 @@ def inplace_reuses(nodes: list[fx.Node], owner: dict[fx.Node, int], inlined_node
                     and s.op == "call_function" and not is_view(s) and flops(s)
                     and sval.dtype == val.dtype and statically_known_true(sval.numel() == val.numel())):
                 continue
-            before = _ancestors(n, min(pos[r] for r in readers(s)), pos)
-            if all(r is n or r in before or (not memory_bound(r) and pos[r] < pos[n]) for r in readers(s)):
+            kernels = _reading_kernels(s, inlined_nodes)
+            before = _ancestors(n, min(pos[k] for k in kernels), pos)
+            if all(k is n or k in before or (not memory_bound(k) and pos[k] < pos[n]) for k in kernels):
                 out[n] = s
                 taken.add(s)
                 break
+    return out
+
+
+def _reading_kernels(s: fx.Node, inlined_nodes: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose kernels read `s`: its readers (through views), a reader Inductor
+    inlines standing for the kernels that compute it (the graph's output node included)."""
+    out: set[fx.Node] = set()
+    todo = list(readers(s))
+    while todo:
+        r = todo.pop()
+        if r in inlined_nodes:
+            todo.extend(readers(r))
+        else:
+            out.add(r)
     return out
 
 

@@ -107,13 +107,15 @@ def test_scalar_constants_are_no_buffer_reads(buffers):
     assert (names["shared"] in op_costs.inlined(nodes, owner)[0]) == (buffers <= 4)
 
 
-@pytest.mark.parametrize("case", ["dies_here", "read_later", "transposed", "other_dtype", "graph_input"])
+@pytest.mark.parametrize("case", ["dies_here", "read_later", "sibling", "transposed", "other_dtype", "graph_input"])
 def test_a_pointwise_result_takes_the_buffer_of_an_input_that_dies_in_its_kernel(case):
     """Inductor writes a pointwise kernel's result over an input the kernel is the last to
     read, when dtype and size match and the kernel reads it element for element (a loss's
     gradient over its recomputed logits): that input's buffer serves both. Not where a later
     node still reads the input, where it is read transposed, where the dtypes differ, nor
-    into a graph input."""
+    into a graph input, nor where a sibling kernel (one the result does not depend on) also
+    reads it, through a node Inductor computes inside that kernel: the two may be fused
+    into one kernel, which then keeps the input."""
     t, v = random.randint(3, 40), random.randint(41, 90)
     names = {}
 
@@ -126,12 +128,16 @@ def test_a_pointwise_result_takes_the_buffer_of_an_input_that_dies_in_its_kernel
             read = node(aten.t.default, logits)
         else:
             logits = read = node(aten.mm.default, x, w)
+        outs = []
+        if case == "sibling":  # computed in both kernels: the gradient's and one before it
+            read = node(aten.mul.Tensor, logits, 2.0)
+            outs.append(node(aten.mm.default, node(aten.add.Tensor, read, 1.0), node(aten.t.default, w)))
         scaled = node(aten.mul.Tensor, read, 0.5)  # inlined into its one reader
         dtype = torch.bfloat16 if case == "other_dtype" else torch.float32
         grad = node(prims.convert_element_type.default, scaled, dtype)
         names.update(logits=logits, grad=grad)
         # a matmul reads the gradient: it is written (a reduction's read would inline it)
-        outs = [node(aten.mm.default, grad, node(prims.convert_element_type.default, node(aten.t.default, w), dtype))]
+        outs.append(node(aten.mm.default, grad, node(prims.convert_element_type.default, node(aten.t.default, w), dtype)))
         if case == "read_later":
             outs.append(node(aten.sum.default, logits))
         return outs

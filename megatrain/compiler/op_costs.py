@@ -26,6 +26,7 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils.flop_counter import flop_registry
 
 from ..runtime.kernel_probe import KernelShape
@@ -334,8 +335,6 @@ def inplace_reuses(nodes: list[fx.Node], owner: dict[fx.Node, int], inlined_node
       extern kernel before it: a sibling fused into the same kernel (SwiGLU's backward
       reads the gate projection for two results) keeps the input from being overwritten.
     One input serves one result."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     pos = {n: i for i, n in enumerate(nodes)}
     taken: set[fx.Node] = set()
     out: dict[fx.Node, fx.Node] = {}
@@ -407,8 +406,6 @@ def _kernel_reads(n: fx.Node, inlined_nodes: set[fx.Node]) -> dict[fx.Node, bool
 
 def _same_shape(x: fx.Node, y: fx.Node) -> bool:
     """`x` feeds `y` element by element (no broadcast), as far as their shapes say."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     a, b = x.meta.get("val"), y.meta.get("val")
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() \
         and all(statically_known_true(i == j) for i, j in zip(a.shape, b.shape))

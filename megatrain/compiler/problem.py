@@ -380,13 +380,14 @@ class _Graph:
                 b = sizes.hint(n)
                 if b:
                     taken = overwrites.get(n)
-                    if taken in live:  # written over an input that dies here: no new buffer
+                    reused = taken in live  # written over an input that dies here: no new buffer
+                    if reused:
                         total -= live.pop(taken)
                         frees[i].remove(taken)
                     live[n] = b
                     total += b
                     frees.setdefault(last.get(n, i), []).append(n)
-                    if u is not None and taken is None and _memory_bound(n) and b > largest.get(u, (0,))[0]:
+                    if u is not None and not reused and _memory_bound(n) and b > largest.get(u, (0,))[0]:
                         largest[u] = (b, n)
             scratch = sizes.scratch_hint(n)  # what `n` allocates and frees inside itself
             if u is not None and total + scratch > best.get(u, (-1,))[0]:

@@ -113,11 +113,18 @@ def host_rates_again(device) -> dict:
     """The host AdamW rates the planner reads (runtime/probe.py), timed once more after the
     timed steps on the same machine: beside the row's `planned_rates` (the compile's probe)
     they say how far the probe moves within one machine, and beside `host_updates_by_phase`
-    how far it is from the rate training reached (G params/s)."""
+    how far it is from the rate training reached (G params/s). Also the update timed with
+    fp32 gradients (`fp32_grads`): what the probe timed before it took training's bf16 ones."""
     import torch
 
-    from megatrain.runtime.probe import probe
+    from megatrain.optim.engine import streaming_threads
+    from megatrain.runtime.probe import ProbeSizes, _adamw_rates, probe
 
     rates, _ = probe(device)
+    sizes = ProbeSizes.for_device(torch.device(device))
+    busy, quiet, _, _ = _adamw_rates(torch.device(device), sizes.adamw_params, sizes.repeats,
+                                     streaming_threads(torch.device(device).type), sizes.copy_bytes,
+                                     grads=torch.float32)
     torch.cuda.empty_cache()  # the probe's blocks back, as the backend's probe hands them
-    return {"adamw": rates.adamw, "adamw_quiet": rates.adamw_quiet}
+    return {"adamw": rates.adamw, "adamw_quiet": rates.adamw_quiet,
+            "fp32_grads": {"adamw": busy, "adamw_quiet": quiet}}

@@ -5,9 +5,11 @@ dtype (a Linear's forward and backward products: the layouts training runs), dev
 bandwidth (a copy within the device), and the host AdamW update (parameters/s) as
 megatrain.AdamW runs it in a streamed step: its kernel (torch's fused CPU AdamW) on memory
 allocated as its state is (huge pages where the host allows), at its threads
-(optim.engine.streaming_threads), and, on a GPU, while both directions of the link copy
-(the weights' fetches read host memory and the gradients' copies write it, through the
-bandwidth the update is bound by).
+(optim.engine.streaming_threads), with gradients in the dtype they reach the host in (the
+compute dtype bf16 on a GPU: upcast chunk by chunk into a cache-sized scratch before the
+fused kernel reads them, as optim.functional.adamw_ does in training), and, on a GPU,
+while both directions of the link copy (the weights' fetches read host memory and the
+gradients' copies write it, through the bandwidth the update is bound by).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
 threads) and the matmul runs in fp32, so CI exercises the same code path.
 
@@ -166,8 +168,14 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * n * dtype.itemsize / t
 
 
+def grad_dtype(device: torch.device) -> torch.dtype:
+    """The dtype gradients reach the host update in on `device` under its default precision:
+    bf16 from a GPU (the runtime's narrow gradients), the parameters' fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,
-                 copy_bytes: int) -> tuple[float, float | None, str, bool]:
+                 copy_bytes: int, grads: torch.dtype | None = None) -> tuple[float, float | None, str, bool]:
     """Parameters/s of the host update as megatrain.AdamW runs it (optim.functional.adamw_:
     torch's fused CPU kernel) at `threads` intra-op threads, on buffers allocated as the
     optimizer's are (memory.host_store.host_zeros: huge pages where the host allows them):
@@ -176,8 +184,9 @@ def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,
     copies beside it there, so the one rate is both). Also a name of what was timed, and
     whether the link stayed busy for every timed update (the copies are queued ahead for
     three times the update's time alone; a False says the busy rate was partly taken on a
-    quiet link)."""
-    param, grad, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32) for _ in range(4))
+    quiet link). `grads`: the gradients' dtype, grad_dtype(device) unless given."""
+    param, exp_avg, exp_avg_sq = (host_zeros(numel, torch.float32) for _ in range(3))
+    grad = host_zeros(numel, grads or grad_dtype(device))
     grad.fill_(1e-3)
     step = torch.zeros((), dtype=torch.float32)
     hyper = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
@@ -185,7 +194,7 @@ def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,
     def update() -> None:
         adamw_([param], [grad], [exp_avg], [exp_avg_sq], [step], **hyper)
 
-    impl = _update_timed()
+    impl = _update_timed(grad.dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -244,10 +253,12 @@ class _BusyLink:
         del self.host_src, self.host_dst, self.dev_src, self.dev_dst
 
 
-def _update_timed() -> str:
+def _update_timed(grads: torch.dtype) -> str:
     """What `_adamw_rates` times, as the cache records it: a cache from a probe that timed
-    something else (torch.optim.AdamW on torch's own pages) is measured again."""
-    return "megatrain.adamw_ " + ("huge pages" if huge_pages_enabled() else "4 KiB pages")
+    something else (torch.optim.AdamW on torch's own pages, fp32 gradients where training
+    hands bf16 ones) is measured again."""
+    pages = "huge pages" if huge_pages_enabled() else "4 KiB pages"
+    return f"megatrain.adamw_ {pages} {str(grads).removeprefix('torch.')} grads"
 
 
 # What ran beside the timed host update, by whether the device is a GPU.
@@ -291,7 +302,7 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
             meta, kind = data["meta"], torch.device(device).type
             if (rates.device == name and meta.get("adamw_beside") == _ADAMW_BESIDE[kind == "cuda"]
                     and meta.get("adamw_threads") == streaming_threads(kind)
-                    and meta.get("adamw_impl") == _update_timed()
+                    and meta.get("adamw_impl") == _update_timed(grad_dtype(torch.device(device)))
                     and (kind != "cuda" or rates.adamw_quiet is not None)):
                 return rates
         except (OSError, ValueError, KeyError, TypeError):
@@ -304,4 +315,4 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
     return rates
 
 
-__all__ = ["ProbeSizes", "cache_dir", "cache_path", "device_name", "load_or_probe", "probe"]
+__all__ = ["ProbeSizes", "cache_dir", "cache_path", "device_name", "grad_dtype", "load_or_probe", "probe"]

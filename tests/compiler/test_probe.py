@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from megatrain.plan.costs import Rates
 from megatrain.runtime import probe
@@ -20,7 +21,7 @@ def test_probe_measures_and_caches_by_device_name(tmp_path, monkeypatch):
     path = probe.cache_path(rates.device)
     assert path.parent == tmp_path
     data = json.loads(path.read_text())
-    assert Rates.from_json(data["rates"]) == rates and data["meta"]["adamw_impl"] == probe._update_timed()
+    assert Rates.from_json(data["rates"]) == rates and data["meta"]["adamw_impl"] == probe._update_timed(torch.float32)
 
     def no_measuring(*a, **k):
         raise AssertionError("measured again despite a cache")
@@ -110,7 +111,7 @@ def test_adamw_rate_is_measured_at_the_optimizers_threads(tmp_path, monkeypatch)
     assert 1 in seen and 2 in seen  # the AdamW timing at 1 thread, the rest at the default
 
 
-@pytest.mark.parametrize("stale", ["threads", "beside", "older probe", "torch's optimizer"])
+@pytest.mark.parametrize("stale", ["threads", "beside", "older probe", "torch's optimizer", "other grads"])
 def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
     """A cached update rate taken at other threads, beside other traffic, of another update
     (torch.optim.AdamW on torch's own pages, not megatrain.AdamW's kernel on its state's
@@ -126,6 +127,8 @@ def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
         data["meta"]["adamw_beside"] = "duplex copies"
     elif stale == "torch's optimizer":
         data["meta"]["adamw_impl"] = "fused"
+    elif stale == "other grads":  # bf16 gradients, as a GPU's probe times them
+        data["meta"]["adamw_impl"] = probe._update_timed(torch.bfloat16)
     else:
         del data["meta"]["adamw_threads"], data["meta"]["adamw_beside"], data["meta"]["adamw_impl"]
     path.write_text(json.dumps(data))
@@ -177,3 +180,15 @@ def test_the_probe_times_megatrains_update_on_its_states_memory(tmp_path, monkey
     probe.load_or_probe("cpu", sizes=sizes)
     assert calls and all(c == [sizes.adamw_params] for c in calls)
     assert zeros == [(sizes.adamw_params, torch.float32)] * 4  # param, grad, m, v
+
+
+def test_the_update_is_timed_with_the_gradients_training_hands_it():
+    """A GPU's gradients reach the host in bf16 and the update upcasts them chunk by chunk:
+    the probe times that path there (its cache entry says which, so a cache of the other
+    path is measured again), the fp32 one on the CPU."""
+    assert probe.grad_dtype(torch.device("cuda")) == torch.bfloat16
+    assert probe.grad_dtype(torch.device("cpu")) == torch.float32
+    for dtype in (torch.float32, torch.bfloat16):
+        rate, quiet, impl, busy = probe._adamw_rates(torch.device("cpu"), 1 << 16, 1, 1, 1 << 16, grads=dtype)
+        assert rate > 0 and quiet is None and busy
+        assert impl.endswith(f"{str(dtype).removeprefix('torch.')} grads")

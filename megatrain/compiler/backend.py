@@ -221,14 +221,17 @@ _FUSED_LOSS = ("linear_cross_entropy",)
 
 
 def _logits_alone(gm: torch.fx.GraphModule, opts: Options) -> "_LogitsAlone | None":
-    """Why no plan of `gm` without the fused loss can fit gpu_memory, where its logits and
-    their gradient alone exceed it (fusions.unfused_logits_bytes); else None."""
+    """Why no plan of `gm` without the fused loss can fit gpu_memory, where the logits it
+    must hold at once alone exceed it (fusions.unfused_logits_bytes, as the planner's walk
+    counts them: Inductor's kernels hold one buffer); else None."""
     from . import fusions  # imports the Triton kernels: only when a graph is compiled
 
-    logits = fusions.unfused_logits_bytes(gm, opts.compute_dtype)
+    inductor = opts.inductor_walk
+    logits = fusions.unfused_logits_bytes(gm, opts.compute_dtype, inductor=inductor)
     if logits <= opts.gpu_memory:
         return None
-    return _LogitsAlone(f"the logits and their gradient alone take {logits} bytes ({format_bytes(logits)}) "
+    what = "the logits Inductor holds at once" if inductor else "the logits and their gradient alone"
+    return _LogitsAlone(f"{what} take {logits} bytes ({format_bytes(logits)}) "
                         f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})")
 
 

@@ -448,12 +448,15 @@ def has_linear_cross_entropy(gm: fx.GraphModule) -> bool:
     return any(_match_linear_ce(n) is not None for n in gm.graph.nodes)
 
 
-def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype) -> int:
+def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype, inductor: bool = False) -> int:
     """The least any plan of `gm` without the fused loss holds at once for its largest such
-    loss: the cross-entropy's [tokens, vocab] input and its gradient, each at least as wide
-    as `dtype` (the fp32 upcast where the graph has one): the backward forms the gradient
-    from the input's log-softmax, kept by the forward, as large. 0 where no loss matches or
-    its sizes are symbolic (a bound must not guard on them)."""
+    loss. Run as written (`inductor` False): the cross-entropy's [tokens, vocab] input and
+    its gradient, each at least as wide as `dtype` (the fp32 upcast where the graph has
+    one): the backward forms the gradient from the input's log-softmax, kept by the
+    forward, as large. Lowered by Inductor: one [tokens, vocab] buffer no wider than the
+    product's output in `dtype`, since Inductor folds the upcast into the kernels that read
+    the logits and writes their gradient over them (op_costs.inplace_reuses). 0 where no
+    loss matches or its sizes are symbolic (a bound must not guard on them)."""
     most = 0
     for n in gm.graph.nodes:
         m = _match_linear_ce(n)
@@ -463,8 +466,10 @@ def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype) -> int:
         logits = _val(_arg(n, 0, "input", None))
         tokens, vocab = _val(target).shape[0], _val(weight).shape[0]
         if isinstance(tokens, int) and isinstance(vocab, int):
-            itemsize = max(logits.dtype.itemsize, dtype.itemsize)
-            most = max(most, 2 * tokens * vocab * itemsize)
+            if inductor:
+                most = max(most, tokens * vocab * min(logits.dtype.itemsize, dtype.itemsize))
+            else:
+                most = max(most, 2 * tokens * vocab * max(logits.dtype.itemsize, dtype.itemsize))
     return most
 
 

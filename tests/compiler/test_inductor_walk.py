@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megatrain
-from megatrain.compiler import op_costs
+from megatrain.compiler import fusions, op_costs
 from megatrain.compiler.options import Options
 from megatrain.errors import MegatrainValueError
 from megatrain.models import Llama, LlamaConfig
@@ -207,7 +207,9 @@ def test_a_loss_backward_planned_for_fused_kernels_holds_one_logits_buffer(monke
     """A vocabulary much wider than the model, so the step peaks in the loss's backward:
     its gradient is written over the logits the backward recomputed (Inductor's in-place
     reuse), so the plan counts one [tokens, vocab] buffer there, not two, and Inductor's
-    CPU step, run at the least budget that plan allows, still allocates no more than it."""
+    CPU step, run at the least budget that plan allows, still allocates no more than it.
+    The bound below which the backend compiles the fused loss without trying the plain
+    one (fusions.unfused_logits_bytes for Inductor's kernels) stays under what was measured."""
     monkeypatch.setattr(Options, "fused_lowering", property(lambda self: self.lowering == "inductor"))
     seq, vocab = random.choice([512, 768, 1024]), random.choice([4096, 6144, 8192])
     cfg = LlamaConfig(vocab_size=vocab, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, rope_theta=10000.0,
@@ -235,3 +237,13 @@ def test_a_loss_backward_planned_for_fused_kernels_holds_one_logits_buffer(monke
     logits = seq * vocab * 4
     assert peak <= plan.predicted_peak_bytes <= budget, (peak, plan.predicted_peak_bytes, budget)
     assert plan.predicted_peak_bytes < peak + logits, (peak, plan.predicted_peak_bytes, logits)
+
+    bounds = []
+
+    def bound_of(gm, example_inputs):
+        bounds.append(fusions.unfused_logits_bytes(gm, torch.float32, inductor=True))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(Llama(cfg), backend=bound_of)(ids, labels=labels)
+    assert bounds == [logits] and logits <= peak, (bounds, logits, peak)

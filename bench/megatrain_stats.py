@@ -39,7 +39,7 @@ def _megatrain_stats(step_fn) -> dict:
             # (compiler/keep.py), and the bytes every saved activation takes
             "activations_kept": sum(len(g.kept_regions) for g in plan.graphs),
             "saved_activation_bytes": sum(g.saved_activation_bytes for g in plan.graphs),
-            # what megatrain applied for memory (the fused loss, token chunks) and why
+            # what megatrain applied on its own (the fused loss, token chunks) and why
             "applied_kernels": sorted({k for g in plan.graphs for k in g.kernels}),
             "token_chunks": sum(g.token_chunks for g in plan.graphs),
             "plan_notes": plan.notes,

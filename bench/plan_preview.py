@@ -94,6 +94,7 @@ class UpdateSites:
 
 # [kept graph regions, plan.keep.KeepChoice or None] of the last graph planned
 KEPT: list = []
+CHOICES: list = []  # every keep choice of the preview: a plain loss's carries the fused estimate
 
 
 @contextlib.contextmanager
@@ -105,6 +106,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
     import megatrain.compiler.backend as backend
     from megatrain.compiler import options as options_mod
     from megatrain.compiler import keep as keep_mod
+    from megatrain.compiler import fusions
     from megatrain.compiler import op_costs
     from megatrain.compiler import rates as rates_mod
     from megatrain.compiler import schedule as schedule_mod
@@ -151,9 +153,12 @@ def _stop_after_planning(sites: bool = False, rates=None):
     def keep_spy(*args, **kwargs):
         chosen, plain, choice = real_keep(*args, **kwargs)
         KEPT[:] = [chosen.kept, choice]
+        CHOICES.append(choice)
         return chosen, plain, choice
 
     keep_mod.choose = keep_spy
+    # the fused loss may be weighed against the plain one, as on CUDA, where its kernel runs
+    real_runs_on, fusions.kernels_run_on = fusions.kernels_run_on, lambda device: True
     # the planner counts working sets as for Inductor's GPU kernels (the walk's pad for a
     # fused kernel, and what Inductor never writes left out), in the chooser's scoring too
     real_fused = options_mod.Options.fused_lowering
@@ -171,6 +176,7 @@ def _stop_after_planning(sites: bool = False, rates=None):
         rates_mod.CALIBRATED, keep_mod.choose = real_calibrated, real_keep
         options_mod.Options.fused_lowering = real_fused
         op_costs._HEAVY_ON_CPU = real_heavy
+        fusions.kernels_run_on = real_runs_on
 
 
 def preview(model: str, layers: int | None, tokens: int, seq: int, gpu_memory: str,
@@ -289,6 +295,10 @@ def main(argv=None) -> int:
         scored = ", ".join(f"{n}: {'-' if s is None else f'{s:.3f}'}" for n, s in choice.scored) if choice else "forced"
         print(f"  {len(kept)} regions keep their matmul outputs (no recompute); kept count -> "
               f"predicted step s: {scored}")
+    weighed = next((c for c in CHOICES if c is not None and c.fused_loss_step_s is not None), None)
+    if weighed is not None:
+        print(f"  the plain loss: predicted {weighed.step_s:.3f} s; the fused loss estimated at "
+              f"{weighed.fused_loss_step_s:.3f} s ({'compiled instead' if len(CHOICES) > 1 else 'kept plain'})")
     print(f"  predicted step {plan.step_time:.3f} s with every update on the host "
           f"(rates: {schedule.rates.device})")
     if sites is not None:

@@ -26,7 +26,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import decide, keep, outputs, rates
+from . import decide, decision_cache, keep, loss_choice, outputs, rates
 from . import token_chunks as token_chunks_mod
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
@@ -186,20 +186,23 @@ def _backend(gm, example_inputs, opts: Options, times: dict[str, float]):
                                      grad_slabs=opts.grad_slabs)
     sid = streamer_mod.register(streamer)
     dropped = outputs.drop_non_scalar_outputs(gm) if opts.outputs == "loss" else None
-    fuse, chunk = _may_fuse_loss_for_memory(gm, opts), opts.token_chunks is None
-    alone = _logits_alone(gm, opts) if fuse else None
-    if alone is not None:  # no plan without the fused loss fits: do not try one
-        compiled, plan, cap = _compile_for_memory(gm, example_inputs, opts, streamer, sid, alone,
+    fuse, chunk = _may_fuse_loss(gm, opts), opts.token_chunks is None
+    loss_key = _fused_loss_key(gm, opts) if fuse else None
+    first = _why_fused_first(gm, opts, loss_key) if fuse else None
+    if first is not None:  # the fused loss comes first: no plain plan is tried
+        compiled, plan, cap = _compile_for_memory(gm, example_inputs, opts, streamer, sid, first,
                                                   times, fuse, chunk)
     else:
         # Capture edits dynamo's graph in place: a retry starts from an untouched copy.
         retry = _pristine_copy(gm) if fuse or chunk else None
         try:
             compiled, plan, cap = _compile(gm, example_inputs, opts, streamer, sid, opts.kernels or (),
-                                           times, token_chunks=opts.token_chunks is True)
-        except (InfeasibleBudget, OffloadRoomExceeded) as first:
+                                           times, token_chunks=opts.token_chunks is True, weigh_fused_loss=fuse)
+        except (InfeasibleBudget, OffloadRoomExceeded, loss_choice.FusedLossFaster) as first:
             if retry is None:
                 raise
+            if isinstance(first, loss_choice.FusedLossFaster) and loss_key is not None:
+                decision_cache.store_fused_loss(loss_key, first.plain_s, first.fused_s)
             compiled, plan, cap = _compile_for_memory(retry, example_inputs, opts, streamer, sid, first,
                                                       times, fuse, chunk)
     # Homing moves parameter storage (new storage offsets), so it runs after tracing: the
@@ -235,9 +238,28 @@ def _logits_alone(gm: torch.fx.GraphModule, opts: Options) -> "_LogitsAlone | No
                         f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})")
 
 
-def _may_fuse_loss_for_memory(gm: torch.fx.GraphModule, opts: Options) -> bool:
-    """The fused linear-cross-entropy is megatrain's to choose for memory only when the user
-    left `kernels` unset (an explicit value, even False, is kept exactly), the graph has the
+def _why_fused_first(gm: torch.fx.GraphModule, opts: Options, loss_key: str | None) -> Exception | None:
+    """Why the fused linear-cross-entropy is compiled without a plain attempt first, or
+    None: the logits alone overflow gpu_memory (_logits_alone), or an earlier compile of
+    this graph found the step faster with it (loss_choice, remembered under `loss_key`)."""
+    alone = _logits_alone(gm, opts)
+    if alone is not None or loss_key is None:
+        return alone
+    remembered = decision_cache.load_fused_loss(loss_key)
+    return None if remembered is None else loss_choice.FusedLossFaster(*remembered, remembered=True)
+
+
+def _fused_loss_key(gm: torch.fx.GraphModule, opts: Options) -> str | None:
+    """The decision cache's key of dynamo's graph `gm` (before capture edits it), where the
+    cache is on and the device calibrated (the choice is the cost model's); else None."""
+    if not (config.decision_cache and rates.calibrated(opts.device)):
+        return None
+    return decision_cache.key(decision_cache.graph_fingerprint(gm), opts)
+
+
+def _may_fuse_loss(gm: torch.fx.GraphModule, opts: Options) -> bool:
+    """The fused linear-cross-entropy is megatrain's to choose only when the user left
+    `kernels` unset (an explicit value, even False, is kept exactly), the graph has the
     pattern, and the kernels can run on the device."""
     from . import fusions  # imports the Triton kernels: only when a graph is compiled
 
@@ -255,13 +277,13 @@ def _pristine_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _compile_for_memory(gm, example_inputs, opts: Options, streamer, sid, first: Exception,
                         times: dict[str, float], fuse: bool, chunk: bool):
-    """The step did not fit (`first`): plan `gm` (a pristine copy) again with what saves
-    memory at some cost, the cheaper first. The fused linear-cross-entropy never
-    materialises the [tokens, vocab] logits, their fp32 upcast and their gradient, and is
-    about as fast as Inductor's code (fusions.DEFAULT's comment); token chunks keep one
-    chunk of an MLP's intermediates at a time, for one more forward of the MLP in the
-    backward. Neither is used where the step fits without it. Raises the last attempt's
-    error, saying what was already applied."""
+    """The step did not fit, or the fused loss comes first (`first`, the reason): plan `gm`
+    (a pristine copy where a plain attempt edited the original) with what saves memory, the
+    cheaper first. The fused linear-cross-entropy never materialises the [tokens, vocab]
+    logits, their fp32 upcast and their gradient, and is about as fast as Inductor's code
+    (fusions.DEFAULT's comment); token chunks keep one chunk of an MLP's intermediates at a
+    time, for one more forward of the MLP in the backward, and are used only where the step
+    fits no other way. Raises the last attempt's error, saying what was already applied."""
     error, applied = first, []
     if fuse:
         try:
@@ -281,7 +303,9 @@ def _compile_for_memory(gm, example_inputs, opts: Options, streamer, sid, first:
     except (InfeasibleBudget, OffloadRoomExceeded) as e:
         applied.append("token chunks (one chunk of each MLP's intermediates at a time)")
         raise _already(e, applied, first) from None
-    return _noted(result, first, "token chunks" + (" and the fused linear-cross-entropy" if fuse else ""), opts,
+    # chunks are for memory even where the fused loss came first for speed: its plan did not fit
+    why = error if isinstance(first, loss_choice.FusedLossFaster) else first
+    return _noted(result, why, "token chunks" + (" and the fused linear-cross-entropy" if fuse else ""), opts,
                   several=fuse)
 
 
@@ -292,6 +316,9 @@ class _NothingToChunk(Exception):
 class _LogitsAlone(Exception):
     """The step cannot fit without the fused loss: its logits alone exceed gpu_memory
     (_logits_alone), so no plan without it is tried."""
+
+
+
 
 
 def _already(e: Exception, applied: list[str], first: Exception) -> Exception:
@@ -312,6 +339,11 @@ def _noted(result, first: Exception, what: str, opts: Options, several: bool = F
     and why."""
     compiled, plan, cap = result
     it = "them" if several else "it"
+    if isinstance(first, loss_choice.FusedLossFaster):
+        plan.note = (f"{what} applied for speed: {first}; with {it} the plan peaks at "
+                     f"{plan.predicted_peak_bytes} bytes ({format_bytes(plan.predicted_peak_bytes)}). "
+                     f"megatrain.config.kernels = False keeps the plain loss")
+        return compiled, plan, cap
     need = (f"the leanest schedule peaks at {first.min_budget} bytes ({format_bytes(first.min_budget)}) "
             f"> gpu_memory={opts.gpu_memory} bytes ({format_bytes(opts.gpu_memory)})"
             if isinstance(first, InfeasibleBudget) else str(first))
@@ -323,11 +355,14 @@ def _noted(result, first: Exception, what: str, opts: Options, several: bool = F
 
 
 def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[str, ...],
-             times: dict[str, float], token_chunks: bool = False, only_if_chunked: bool = False):
+             times: dict[str, float], token_chunks: bool = False, only_if_chunked: bool = False,
+             weigh_fused_loss: bool = False):
     """One attempt at the whole pipeline for `gm` (edited in place) with `kernels` swapped in,
     and with `token_chunks` its token-wise modules (compiler/token_chunks.py; with
     `only_if_chunked`, _NothingToChunk where none qualifies): (compiled callable, its
-    GraphPlan, the capture). Raises InfeasibleBudget from the planner.
+    GraphPlan, the capture). Raises InfeasibleBudget from the planner; with
+    `weigh_fused_loss`, loss_choice.FusedLossFaster where the fused loss would make the
+    step predicted faster than its plain one.
     Each phase's wall time goes into `times` (phases.py), which the plan keeps."""
     applied = ()
     if kernels:
@@ -340,7 +375,9 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     if only_if_chunked and not chunked:
         raise _NothingToChunk()
     piece = _split_by_a_break(gm)
+    pending = loss_choice.pending_head(gm, opts.compute_dtype, opts.inductor_walk) if weigh_fused_loss else None
     cap = rehome(gm, example_inputs, opts.device, sid)
+    head = loss_choice.head_of(pending)
     retarget_weight_casts(cap.gm, cap.params, opts.compute_dtype, cap.regions.of_node)
     streamer.region_names = {r.id: r.name for r in cap.regions.regions}
     no_layers = _without_layers(cap)
@@ -370,7 +407,11 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
     def on_partition(split, candidates_of, joint):
         with phase("planning", times):
             chosen, recompute_pair, plan.keep_choice = keep.choose(split, candidates_of, cap, opts,
-                                                                   streamer, joint)
+                                                                   streamer, joint, head)
+            choice = plan.keep_choice
+            if head is not None and choice is not None \
+                    and loss_choice.fused_is_faster(choice.step_s, choice.fused_loss_step_s):
+                raise loss_choice.FusedLossFaster(choice.step_s, choice.fused_loss_step_s)
             try:
                 step = plan_pair(chosen)
             except (InfeasibleBudget, OffloadRoomExceeded) as e:

@@ -73,7 +73,8 @@ def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
         choice = entry["choice"]
         return frozenset(entry["regions"]), (None if choice is None else KeepChoice(
             kept=frozenset(choice["kept"]), step_s=choice["step_s"],
-            scored=tuple((n, s) for n, s in choice["scored"])))
+            scored=tuple((n, s) for n, s in choice["scored"]),
+            fused_loss_step_s=choice.get("fused_loss_step_s")))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no entry, or an unreadable one: choose afresh
 
@@ -81,8 +82,28 @@ def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
 def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
     """Remember the choice under `k` (best effort: a cache that cannot be written is skipped)."""
     entry = {"regions": sorted(regions), "choice": None if choice is None else {
-        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored)}}
-    path = _path(k)
+        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored),
+        "fused_loss_step_s": choice.fused_loss_step_s}}
+    _write(_path(k), entry)
+
+
+def load_fused_loss(k: str) -> tuple[float, float] | None:
+    """(plain, fused) predicted steps of a graph whose step was found faster with the fused
+    loss (compiler/loss_choice.py), stored under `k` (dynamo's graph: `key` of its
+    fingerprint), or None."""
+    try:
+        entry = json.loads(_path(k, "loss").read_text())
+        return float(entry["plain_s"]), float(entry["fused_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store_fused_loss(k: str, plain_s: float, fused_s: float) -> None:
+    """Remember that the graph keyed `k` compiles faster with the fused loss (best effort)."""
+    _write(_path(k, "loss"), {"plain_s": plain_s, "fused_s": fused_s})
+
+
+def _write(path: Path, entry: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -92,8 +113,8 @@ def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
         pass
 
 
-def _path(k: str) -> Path:
-    return cache_dir() / "decisions" / f"keep-{k}.json"
+def _path(k: str, kind: str = "keep") -> Path:
+    return cache_dir() / "decisions" / f"{kind}-{k}.json"
 
 
 def _rates_files(device: torch.device) -> str:

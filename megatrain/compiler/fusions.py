@@ -448,6 +448,20 @@ def has_linear_cross_entropy(gm: fx.GraphModule) -> bool:
     return any(_match_linear_ce(n) is not None for n in gm.graph.nodes)
 
 
+def linear_ce_heads(gm: fx.GraphModule) -> list[tuple[fx.Node, object, object, object]]:
+    """Each linear + cross-entropy of `gm` the fused loss would replace, as (its product
+    node, tokens, width, vocab) (sizes symbolic where the graph's are; read only)."""
+    heads = []
+    for ce in gm.graph.nodes:
+        m = _match_linear_ce(ce)
+        if m is None:
+            continue
+        (hidden, weight, target, *_), _ = m
+        product = next(u for u in hidden.users if _kind(u) == "linear" and u.args[1] is weight)
+        heads.append((product, _val(target).shape[0], _val(hidden).shape[-1], _val(weight).shape[0]))
+    return heads
+
+
 def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype, inductor: bool = False) -> int:
     """The least any plan of `gm` without the fused loss holds at once for its largest such
     loss. Run as written (`inductor` False): the cross-entropy's [tokens, vocab] input and

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.fx as fx
 
@@ -27,7 +27,7 @@ from .. import config
 from ..errors import MegatrainValueError
 from ..plan.keep import KeepChoice, choose_kept, comparable
 from ..plan.search import InfeasibleBudget, OffloadRoomExceeded, plan_step
-from . import decide, decision_cache, rates, update_sites
+from . import decide, decision_cache, loss_choice, rates, update_sites
 from .options import Options
 from .passes import gradient_handoffs
 from .schedule import planner_options, step_problem
@@ -44,12 +44,13 @@ class Split:
     problem: tuple | None = None  # (StepProblem, Rates) once read off the pair: not read twice
 
 
-def choose(split, candidates_of, cap, opts: Options, streamer,
-           joint: fx.GraphModule | None = None) -> tuple[Split, Callable[[], Split], KeepChoice | None]:
+def choose(split, candidates_of, cap, opts: Options, streamer, joint: fx.GraphModule | None = None,
+           head: "loss_choice.LossHead | None" = None) -> tuple[Split, Callable[[], Split], KeepChoice | None]:
     """(the pair to plan, a function giving the recompute pair to fall back to, the
     chooser's answer or None where the set was forced). `split(kept)` partitions with `kept`
     (graph region ids); `candidates_of()` lists the regions that may keep, asked only where
-    it matters; `joint`, the joint graph, keys the choice in the decision cache.
+    it matters; `joint`, the joint graph, keys the choice in the decision cache; `head`, a
+    plain loss the fused one could replace: the answer then also prices that (loss_choice).
     Keeping is a speed-up, so a failure while deciding it (a graph whose kept partition
     torch cannot make) warns and recomputes rather than stopping the compile; a forced
     set raises."""
@@ -72,7 +73,7 @@ def choose(split, candidates_of, cap, opts: Options, streamer,
     if forced:
         return Split(*split(frozenset(candidates)), kept=frozenset(candidates)), lambda: plain, None
     try:
-        chosen, choice = _decide(split, plain, candidates, cap, opts, streamer)
+        chosen, choice = _decide(split, plain, candidates, cap, opts, streamer, head)
     except Exception as e:  # noqa: BLE001  (any failure here only costs the speed-up)
         warnings.warn(f"megatrain: could not decide which regions keep their activations "
                       f"({type(e).__name__}: {e}); every region recomputes its forward",
@@ -93,7 +94,7 @@ def _remembered(split, regions: frozenset[int],
 
 
 def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
-            streamer) -> tuple[Split, KeepChoice | None]:
+            streamer, head=None) -> tuple[Split, KeepChoice | None]:
     """The cost model's pick (module docstring): the pair to plan and the chooser's answer."""
     everything = Split(*split(frozenset(candidates)), kept=frozenset(candidates))
     plain.problem = step_problem(plain.fw, plain.bw, cap.params, opts.device, opts.compute_dtype,
@@ -106,6 +107,9 @@ def _decide(split, plain: Split, candidates: list[int], cap, opts: Options,
         return plain, None  # the two partitions stream differently: keep it simple
     score = _scorer(cap, opts, streamer, gradient_handoffs(plain.bw), planned_rates)
     choice = choose_kept(p0, p1, planned_rates, score)
+    if head is not None and choice.step_s is not None:
+        choice = replace(choice, fused_loss_step_s=loss_choice.fused_step(p0, p1, choice.kept, sp0.units,
+                                                                          head, score))
     regions = frozenset(g for u in choice.kept for g in sp0.units.get(u, (u,))) & frozenset(candidates)
     if not regions:
         return plain, choice

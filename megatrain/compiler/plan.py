@@ -255,7 +255,7 @@ class Plan:
 
     @property
     def notes(self) -> list[str]:
-        """What megatrain decided on its own for the graphs (e.g. the fused loss for memory)."""
+        """What megatrain decided on its own for the graphs (e.g. the fused loss, and why)."""
         return [f"graph {i}: {g.note}" for i, g in enumerate(self.graphs) if g.note]
 
     def timeline(self, path) -> str:

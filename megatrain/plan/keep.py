@@ -35,11 +35,14 @@ TIE = 0.005
 @dataclass(frozen=True)
 class KeepChoice:
     """The chooser's answer: the kept regions, the predicted step with them, and every
-    (number kept, predicted step or None where nothing fit) it scored, for explain."""
+    (number kept, predicted step or None where nothing fit) it scored, for explain; and
+    the step the same scorer predicts with the fused loss in place of a plain one, where
+    the compiler asked (compiler/loss_choice.py)."""
 
     kept: frozenset[int]
     step_s: float | None
     scored: tuple[tuple[int, float | None], ...] = ()
+    fused_loss_step_s: float | None = None
 
 
 def mixed(recompute: Problem, kept: Problem, keep: Iterable[int]) -> Problem:

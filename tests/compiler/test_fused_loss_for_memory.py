@@ -1,11 +1,12 @@
-"""The fused linear-cross-entropy, applied by the backend only when the budget needs it.
+"""The fused linear-cross-entropy, applied by the backend on its own.
 
 Kernels are off by default (options["kernels"] not given): on the H200 none is faster than
 Inductor's code (fusions.DEFAULT's comment). But a long sequence's step peaks in the loss
 region's backward ([tokens, vocab] logits, their fp32 upcast, their gradient), which the
-fused loss never holds; so when a graph's plan does not fit gpu_memory and the user left
-`kernels` unset, the backend plans it again with the fused loss. An explicit `kernels` is
-kept exactly.
+fused loss never holds. So when a graph's plan does not fit gpu_memory and the user left
+`kernels` unset, the backend plans it again with the fused loss; and where the plain loss
+fits, the cost model weighs the fused one (compiler/loss_choice.py) and the backend
+compiles it where it is predicted faster. An explicit `kernels` is kept exactly.
 
 The model has a vocabulary large against its hidden size and token count, so the logits
 dominate the step's memory. Budgets are derived from the planner's own numbers: the
@@ -183,3 +184,51 @@ def test_planner_counts_the_fused_loss_scratch(tokens, chunk):
     expected = min(chunk, tokens) * vocab * 2 + tokens * 4
     assert sizes.scratch_hint(n) == expected
     assert sizes.scratch_hint(h) == 0
+
+
+
+@pytest.mark.parametrize("fused_faster", [True, False])
+def test_the_fused_loss_replaces_a_plain_one_predicted_slower(budgets, monkeypatch, tmp_path, fused_faster):
+    """Where the plain loss fits, it is compiled first, and the keep chooser's answer
+    prices the step with the fused loss too (loss_choice). Where that is MARGIN faster, the
+    fused loss is compiled instead, its note says so and how to keep the plain one, it
+    trains like eager, and a second compile of the same graph goes to it at once (the
+    choice remembered). The margin is set here to force each answer; the estimate itself
+    is checked against a fused plan in test_loss_choice.py."""
+    from megatrain.compiler import backend, loss_choice
+    from megatrain.compiler import rates as rates_mod
+
+    monkeypatch.setattr(rates_mod, "CALIBRATED", ("cuda", "cpu"))  # the cost model decides
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(megatrain.config, "decision_cache", True)
+    monkeypatch.setattr(loss_choice, "MARGIN", -1.0 if fused_faster else 1.0)
+    attempts = []
+    real = backend._compile
+    monkeypatch.setattr(backend, "_compile", lambda gm, inputs, opts, streamer, sid, kernels, *a, **k:
+                        attempts.append(tuple(kernels)) or real(gm, inputs, opts, streamer, sid, kernels, *a, **k))
+    torch.manual_seed(torch.seed() % 2**31)
+    budget = 2 * budgets["unfused"]  # the plain loss fits
+    opts = options(budget, host_memory="8GiB")  # its default follows the free RAM: a cache key
+    r = train_side_by_side(Llama(CFG), random_batches(CFG.vocab_size, 3, BATCH, SEQ), opts, lr=3e-3)
+    for a, b in zip(r["loss"], r["loss_ref"]):
+        assert abs(a - b) / abs(b) < 1e-5, (r["loss"], r["loss_ref"])
+    assert rel(r["grads"], r["grads_ref"]) < 1e-5
+    assert rel(r["params"], r["params_ref"]) < 1e-3
+    (graph,) = r["plan"].graphs
+    if not fused_faster:
+        assert attempts == [()] and graph.kernels == () and graph.note == ""
+        assert graph.keep_choice.fused_loss_step_s is not None  # weighed, and kept plain
+        return
+    assert attempts == [(), ("linear_cross_entropy",)]
+    assert graph.kernels == ("linear_cross_entropy",)
+    assert graph.note.startswith(f"{FUSED} applied for speed: predicted"), graph.note
+    assert "megatrain.config.kernels = False" in graph.note
+
+    attempts.clear()
+    torch._dynamo.reset()
+    step = compile_streamed(Llama(CFG), opts)
+    ids, labels = random_batches(CFG.vocab_size, 1, BATCH, SEQ)[0]
+    step(ids, labels=labels).backward()
+    graph = megatrain.explain(step).graphs[0]
+    assert attempts == [("linear_cross_entropy",)] and graph.kernels == ("linear_cross_entropy",)
+    assert "remembered from an earlier compile" in graph.note, graph.note

@@ -62,8 +62,9 @@ class LossHead:
 
 def pending_head(gm: fx.GraphModule, compute_dtype: torch.dtype, inductor: bool):
     """The head of `gm` (dynamo's graph, before capture edits it) as (its product node,
-    logits bytes, moved FLOPs, moved bytes), or None where no plain linear-cross-entropy matches or its
-    sizes are symbolic. The node's region is read after capture tags it (`head_of`)."""
+    logits bytes, moved FLOPs, moved bytes), or None where no plain linear-cross-entropy
+    matches, its sizes are symbolic, or its logits are also read elsewhere (returned). The
+    node's region is read after capture tags it (`head_of`)."""
     from . import fusions  # imports the Triton kernels: only when a graph is compiled
 
     heads = fusions.linear_ce_heads(gm)
@@ -72,6 +73,8 @@ def pending_head(gm: fx.GraphModule, compute_dtype: torch.dtype, inductor: bool)
     product, tokens, width, vocab = heads[0]
     if not all(isinstance(v, int) for v in (tokens, width, vocab)):
         return None
+    if len(product.users) > 1:
+        return None  # the logits are also returned: the fused loss would not free them
     logits = fusions.unfused_logits_bytes(gm, compute_dtype, inductor=inductor)
     one_pass = tokens * vocab * fusions._val(product).dtype.itemsize
     return product, logits, 2 * (2 * tokens * width * vocab), 2 * one_pass

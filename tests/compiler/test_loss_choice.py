@@ -5,6 +5,7 @@ predicts for the fused loss's own graphs."""
 from __future__ import annotations
 
 import random
+from copy import deepcopy
 
 import pytest
 import torch
@@ -68,3 +69,35 @@ def test_the_estimate_is_the_fused_plans_prediction(monkeypatch, vocab):
     fused = choice(kernels=["linear_cross_entropy"])
     assert plain.fused_loss_step_s is not None and fused.fused_loss_step_s is None
     assert abs(plain.fused_loss_step_s - fused.step_s) <= 0.05 * fused.step_s, (plain, fused)
+
+
+def test_no_estimate_where_the_logits_are_also_returned():
+    """A Hugging Face causal LM returns its logits beside the loss: the fused loss would
+    still compute and hold them for that output, so nothing is freed and no estimate is
+    made. With the logits dropped (outputs="loss", the consent option) the head is found,
+    with its logits' bytes and the two [tokens, width] x [width, vocab] products moved."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the test extra")
+    from megatrain.compiler import outputs
+
+    vocab, width, tokens = 128, 32, 2 * 16
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    ids = torch.randint(0, vocab, (2, 16))
+    found = {}
+
+    def backend(gm, example_inputs):
+        found["returned"] = loss_choice.pending_head(gm, torch.float32, inductor=True)
+        copy = torch.fx.GraphModule(gm, deepcopy(gm.graph))
+        outputs.drop_non_scalar_outputs(copy)
+        found["dropped"] = loss_choice.pending_head(copy, torch.float32, inductor=True)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
+    assert found["returned"] is None
+    product, logits, moved, passes = found["dropped"]
+    # HF shifts the labels: one token fewer per sequence reaches the loss, but the product
+    # runs over every token
+    assert logits == passes // 2 and moved == 4 * width * vocab * (logits // (vocab * 4))
+    assert (logits // (vocab * 4)) in (tokens, tokens - 2)

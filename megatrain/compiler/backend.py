@@ -403,15 +403,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def fw_compiler(fx_gm, inputs):
         plan.forward_code = fx_gm.code
-        with phase("lowering", times):
-            compiled = lower(fx_gm, inputs, opts.lowering, is_backward=False)
-
-        def run(args):
-            streamer.begin_step()
-            return compiled(args)
-
-        run._boxed_call = True
-        return run
+        with phase("lowering", times):   # the graph's first op begins the step (ops.begin_step)
+            return lower(fx_gm, inputs, opts.lowering, is_backward=False)
 
     def bw_compiler(fx_gm, inputs):
         plan.backward_code = fx_gm.code

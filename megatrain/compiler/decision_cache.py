@@ -43,15 +43,18 @@ _HOST_QUANTUM = 4 << 30
 _FORMAT = 1
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """A hash of the graph's structure and shapes (not its values): equal for the same
-    model, inputs' shapes and dtypes, and tracing, whichever streamer the graph's
-    megatrain ops name (a process numbers its streamers from 0 in compile order)."""
+def graph_fingerprint(gm: fx.GraphModule, blank_streamer: bool = True) -> str:
+    """A hash of the graph's structure, regions and shapes (not its values): equal for the
+    same model, inputs' shapes and dtypes, and tracing, whichever streamer the graph's
+    megatrain ops name (a process numbers its streamers from 0 in compile order) unless
+    `blank_streamer` is False. Reads AOTAutograd's fake values, or dynamo's before it."""
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         region = (n.meta.get("custom") or {}).get("megatrain_region")
-        h.update(f"{n.op}|{n.name}|{_target(n.target)}|{_describe(_without_streamer(n))}"
-                 f"|{_describe(n.kwargs)}|{region}|{_describe(n.meta.get('val'))}\n".encode())
+        args = _without_streamer(n) if blank_streamer else n.args
+        val = n.meta.get("val", n.meta.get("example_value"))
+        h.update(f"{n.op}|{n.name}|{_target(n.target)}|{_describe(args)}"
+                 f"|{_describe(n.kwargs)}|{region}|{_describe(val)}\n".encode())
     return h.hexdigest()
 
 
@@ -60,7 +63,7 @@ def key(graph: str, opts: Options) -> str:
     host = None if opts.host_memory is None else round(opts.host_memory / _HOST_QUANTUM)
     h = hashlib.sha256()
     for part in (str(_FORMAT), graph, repr(dataclasses.replace(opts, host_memory=host)),
-                 _rates_files(opts.device), _source()):
+                 _rates_files(opts.device), source_hash()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -78,15 +81,27 @@ def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
         return None  # no entry, or an unreadable one: choose afresh
 
 
+def entry_text(regions: frozenset[int], choice: KeepChoice | None) -> str:
+    """The choice as the cache file holds it (JSON)."""
+    return json.dumps({"regions": sorted(regions), "choice": None if choice is None else {
+        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored)}})
+
+
+def stored_text(k: str) -> str | None:
+    """The entry stored under `k`, normalised as `entry_text` writes it; None without one."""
+    try:
+        return json.dumps(json.loads(_path(k).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
 def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
     """Remember the choice under `k` (best effort: a cache that cannot be written is skipped)."""
-    entry = {"regions": sorted(regions), "choice": None if choice is None else {
-        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored)}}
     path = _path(k)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry))
+        tmp.write_text(entry_text(regions, choice))
         tmp.replace(path)   # atomic: a concurrent reader sees the old entry or the new one
     except OSError:
         pass
@@ -108,7 +123,7 @@ def _rates_files(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _source() -> str:
+def source_hash() -> str:
     """A hash of every megatrain source file (the cost model and the chooser among them)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()

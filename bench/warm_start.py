@@ -6,7 +6,9 @@ with `megatrain.config.aot_cache` off (planned afresh, Inductor's kernels from i
 graph cache) and one with it on. Each prints its first step's wall time (compile and the
 step: forward, backward and the optimizer) and its compile phases (phases.py); what the
 phases leave of the first step is dynamo's tracing, AOTAutograd's own bookkeeping and the
-step itself. The three steps' losses and the weights after them must agree.
+step itself. The three steps' losses must agree, and the weights after them too under
+OMP_NUM_THREADS=1 (with several threads Inductor's CPU embedding backward accumulates a
+token id's repeats in thread order: a few last bits differ run to run, cache or none).
 
     python bench/warm_start.py --layers 24 --hidden 64 --seq 64
 """

@@ -71,7 +71,11 @@ _CHILD = textwrap.dedent("""
 
 
 def _run(cache: Path, **args) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "MEGATRAIN_CACHE": str(cache / "mt")}
+    # One thread: Inductor's CPU embedding backward accumulates a token id's repeats in the
+    # order its threads reach them, so with several the weights differ run to run in the
+    # last bits, cache or none.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "MEGATRAIN_CACHE": str(cache / "mt"),
+           "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True,
                        env=env, cwd=REPO, timeout=900)

@@ -33,7 +33,8 @@ configs): a torch entry from another configuration under the same tag, or a plan
 written by another process in between, compiles afresh. Streamer indices are in torch's
 key, so a cached graph drives the streamer this compile registered under the same index.
 A plan whose state cannot all be stored (a GraphPlan field this module does not know, an
-unpicklable value, a kernel that could not be timed) is not stored.
+unpicklable value, a kernel that could not be timed) is not stored, and neither is
+torch's entry for it.
 """
 
 from __future__ import annotations
@@ -174,24 +175,32 @@ class GraphCache:
     def lowered_forward(self, compiled) -> None:
         self.fw_key = getattr(compiled, "_fx_graph_cache_key", None)
 
-    def store(self, plan: GraphPlan, backward=None, training: bool = True) -> None:
-        """Store `plan` once its graphs are lowered (the backward's output `backward`, for
-        a training graph), where all of it can be restored."""
-        bw_key = getattr(backward, "_fx_graph_cache_key", None) if training else None
-        if not self.ask or self.inputs is None or self.inputs.unrepeatable or self.fw_key is None \
+    def lowered(self, plan: GraphPlan, last, training: bool = True) -> None:
+        """Both graphs are lowered (`last`: Inductor's output for the backward, or for the
+        forward of an inference graph, which torch saves its entry with next): store
+        `plan` where all of it can be restored, else keep torch from saving an entry that
+        no later process could use (each would load it only to compile afresh)."""
+        if self.ask and not self._store(plan, getattr(last, "_fx_graph_cache_key", None) if training else None,
+                                        training):
+            last._fx_graph_cache_key = None   # what AOTAutograd saves an entry by
+
+    def _store(self, plan: GraphPlan, bw_key: str | None, training: bool) -> bool:
+        if self.inputs is None or self.inputs.unrepeatable or self.fw_key is None \
                 or (training and bw_key is None):
-            return
+            return False
         if {f.name for f in dataclasses.fields(GraphPlan)} != set(PLANNED) | set(NOT_PLANNED):
-            return
+            return False
         entry = Entry({name: getattr(plan, name) for name in PLANNED}, self.inputs, training,
                       (self.fw_key, bw_key), self.warnings)
         try:
             blob = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
             pickle.loads(blob)
         except Exception:  # noqa: BLE001  (a plan that cannot travel is planned afresh)
-            return
-        _write(_path(self.tag), blob)
+            return False
+        if not _write(_path(self.tag), blob):
+            return False
         counters["stored"] += 1
+        return True
 
     def hit(self, compiled) -> Entry | None:
         """The stored plan of the graphs torch's cache just loaded into `compiled`, or None
@@ -322,16 +331,17 @@ def _load(tag: str) -> Entry | None:
     return entry if isinstance(entry, Entry) else None
 
 
-def _write(path: Path, blob: bytes) -> None:
+def _write(path: Path, blob: bytes) -> bool:
     """Write atomically (a concurrent reader sees the old entry or the new one); best
-    effort: a cache that cannot be written is skipped."""
+    effort: whether it was written."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(blob)
         tmp.replace(path)
     except OSError:
-        pass
+        return False
+    return True
 
 
 def _read(path: Path) -> str:

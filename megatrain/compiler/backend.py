@@ -419,7 +419,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
         with phase("lowering", times), lowering():   # maybe at the first backward, after the backend returned
             compiled = lower(fx_gm, inputs, opts.lowering, is_backward=True)
         if cache is not None:
-            cache.store(plan, compiled)   # the plan is whole once both graphs are lowered
+            cache.lowered(plan, compiled)   # the plan is whole once both graphs are lowered
         return compiled
 
     def inference_compiler(fx_gm, inputs):
@@ -429,7 +429,7 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             configure(decide.step_plan(plan, cap, opts, streamer, (), training=False))
         compiled = fw_compiler(fx_gm, inputs)
         if cache is not None:
-            cache.store(plan, training=False)
+            cache.lowered(plan, compiled, training=False)
         return compiled
 
     def aot(asked: bool):

@@ -35,6 +35,11 @@ _CHILD = textwrap.dedent("""
     megatrain.config.aot_cache = args.get("aot_cache", True)
     if args.get("unmatched"):   # torch's entry is not the stored plan's graphs
         aot_cache._loaded_fx_keys = lambda compiled: ("another", "graph")
+    if args.get("unrepeatable"):   # planning did something a later compile might not repeat
+        from megatrain.compiler import keep
+        from megatrain.plan import inputs as plan_inputs
+        choose = keep.choose
+        keep.choose = lambda *a, **k: (plan_inputs.note_unrepeatable("a test"), choose(*a, **k))[1]
     options = {"device": "cpu", "precision": "fp32", **args.get("options", {})}
     if args.get("other_first"):   # another model compiles first: streamer indices shift
         other = torch.compile(torch.nn.Linear(8, 8), backend="megatrain", options=options)
@@ -51,11 +56,14 @@ _CHILD = textwrap.dedent("""
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        planned = megatrain.explain(step).graphs   # the training graph
         with torch.no_grad():   # an inference graph, cached too
             losses.append(step(ids, labels=labels).item())
+        planned += megatrain.explain(step).graphs   # the newest for these parameters
     opt.synchronize()
+    assert len(planned) == 2 and planned[0] is not planned[1]
     graphs = []
-    for g in megatrain.explain(step).graphs:
+    for g in planned:
         s = g.step_plan
         needs = sum(v for k, v in s.host_needs if not k.startswith("gradient slabs"))
         assert s.host_memory is None or s.gradients.host_slab_bytes == s.host_memory - needs
@@ -157,3 +165,19 @@ def test_a_plan_not_of_the_loaded_graphs_is_not_used(cold):
     assert out["megatrain"] == {"unmatched": 2}, out["megatrain"]
     assert all("planning" in g["phases"] and not g["cached"] for g in out["graphs"]), out["graphs"]
     _trains_like(out, first)
+
+
+def test_a_plan_that_cannot_be_stored_leaves_no_entry_of_torch_either(cold):
+    """Else every later process would load torch's entry only to compile afresh. Here the
+    training graph's planning is marked unrepeatable; the inference graph's is not."""
+    cache, first = cold
+    once = _run(cache, unrepeatable=True, options={"gpu_memory": "2GiB"})
+    assert once["aot"] == {"autograd_cache_miss": 2, "autograd_cache_saved": 1}, once["aot"]
+    assert once["megatrain"] == {"stored": 1}, once["megatrain"]
+    again = _run(cache, unrepeatable=True, options={"gpu_memory": "2GiB"})
+    assert again["aot"] == {"autograd_cache_miss": 1, "autograd_cache_hit": 1}, again["aot"]
+    assert again["megatrain"] == {"reused": 1}, again["megatrain"]
+    training = again["graphs"][0]
+    assert "planning" in training["phases"] and not training["cached"], training
+    _trains_like(once, first)
+    _trains_like(again, first)

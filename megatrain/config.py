@@ -33,6 +33,12 @@ probe_rates: bool = True
 # the same graph skips the chooser's search. False chooses afresh at every compile.
 decision_cache: bool = True
 
+# Store each graph's plan beside AOTAutograd's cache entry (in Inductor's cache folder)
+# and restore it where torch's cache answers, so a second process compiling the same graph
+# skips tracing, planning and lowering (compiler/aot_cache.py). False compiles every graph
+# afresh, asking only Inductor's FX graph cache (the tests' setting).
+aot_cache: bool = True
+
 # Warn when a graph's predicted step is at least this many times its GPU compute (about
 # what a GPU-resident run takes), naming the regions the GPU waits for and why
 # (plan/waits.py). None: never.
@@ -116,5 +122,5 @@ def patch(**values):
 
 
 def _knobs() -> list[str]:
-    return ["check_fetched_weights", "probe_rates", "decision_cache", "slow_plan_ratio", "memory_walk",
+    return ["check_fetched_weights", "probe_rates", "decision_cache", "aot_cache", "slow_plan_ratio", "memory_walk",
             *DECISIONS]

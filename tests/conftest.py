@@ -16,6 +16,7 @@ import megatrain  # noqa: E402
 # and private to the test session (test_probe.py measures into its own on purpose).
 megatrain.config.probe_rates = False
 megatrain.config.decision_cache = False  # each test's choice is made afresh (test_decision_cache.py turns it on)
+megatrain.config.aot_cache = False  # each test plans afresh (test_warm_start.py turns it on)
 os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
 
 

@@ -26,7 +26,7 @@ from ..optim.registry import owner_of
 from ..runtime import streamer as streamer_mod
 from ..memory.host_store import home_parameters
 from . import explain as explain_mod
-from . import decide, decision_cache, keep, loss_choice, outputs, rates
+from . import aot_cache, decide, decision_cache, keep, loss_choice, outputs, rates
 from . import token_chunks as token_chunks_mod
 from .capture import check_inputs, rehome, source_line
 from .lower import joint_passes, lower
@@ -387,6 +387,10 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     plan = GraphPlan(regions=cap.regions.regions, budget=opts.gpu_memory, streamer=streamer,
                      kernels=applied, compile_seconds=times, token_chunks=chunked)
+    cache = aot_cache.GraphCache.open(cap, opts, sid)   # None where off
+    planning = cache.planning if cache is not None else contextlib.nullcontext
+    lowering = cache.lowering if cache is not None else contextlib.nullcontext
+    planned = []   # the partition or the inference compiler ran: torch's cache did not answer
 
     def transfers(fw, bw, problem=None):
         """Plan the pair (bw None: forward only), then materialise exactly that plan."""
@@ -405,7 +409,8 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
             plan.backward_events, plan.prefetch_count = b.events, f.prefetch_count + b.prefetch_count
 
     def on_partition(split, candidates_of, joint):
-        with phase("planning", times):
+        planned.append("partition")
+        with phase("planning", times), planning():
             chosen, recompute_pair, plan.keep_choice = keep.choose(split, candidates_of, cap, opts,
                                                                    streamer, joint, head)
             choice = plan.keep_choice
@@ -447,36 +452,56 @@ def _compile(gm, example_inputs, opts: Options, streamer, sid, kernels: tuple[st
 
     def fw_compiler(fx_gm, inputs):
         plan.forward_code = fx_gm.code
-        with phase("lowering", times):
+        with phase("lowering", times), lowering():   # its first op begins the step (ops.begin_step)
             compiled = lower(fx_gm, inputs, opts.lowering, is_backward=False)
-
-        def run(args):
-            streamer.begin_step()
-            return compiled(args)
-
-        run._boxed_call = True
-        return run
+        if cache is not None:
+            cache.lowered_forward(compiled)
+        return compiled
 
     def bw_compiler(fx_gm, inputs):
         plan.backward_code = fx_gm.code
-        with phase("lowering", times):   # maybe at the first backward, after the backend returned
-            return lower(fx_gm, inputs, opts.lowering, is_backward=True)
+        with phase("lowering", times), lowering():   # maybe at the first backward, after the backend returned
+            compiled = lower(fx_gm, inputs, opts.lowering, is_backward=True)
+        if cache is not None:
+            cache.lowered(plan, compiled)   # the plan is whole once both graphs are lowered
+        return compiled
 
     def inference_compiler(fx_gm, inputs):
-        with phase("planning", times):
+        planned.append("inference")
+        with phase("planning", times), planning():
             transfers(fx_gm, None)
             configure(decide.step_plan(plan, cap, opts, streamer, (), training=False))
-        return fw_compiler(fx_gm, inputs)
+        compiled = fw_compiler(fx_gm, inputs)
+        if cache is not None:
+            cache.lowered(plan, compiled, training=False)
+        return compiled
+
+    def aot(asked: bool):
+        """AOTAutograd on the capture; `asked`: through torch's cache (aot_cache.py)."""
+        wrap = cache.compiler if asked else (lambda fn: fn)
+        with cache.asking() if asked else contextlib.nullcontext():
+            return aot_module_simplified(
+                cap.gm, example_inputs,
+                fw_compiler=wrap(fw_compiler), bw_compiler=wrap(bw_compiler),
+                inference_compiler=wrap(inference_compiler),
+                partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
+                decompositions=_decompositions(),
+                keep_inference_input_mutations=True)
 
     autocast = (torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.precision == "bf16"
                 else contextlib.nullcontext())
     with autocast, noting(no_layers), phase("aot", times):
-        compiled = aot_module_simplified(
-            cap.gm, example_inputs,
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, inference_compiler=inference_compiler,
-            partition_fn=make_partition_fn(on_partition, joint_passes(opts.lowering, opts.device)),
-            decompositions=_decompositions(),
-            keep_inference_input_mutations=True)
+        asked = cache is not None and cache.ask
+        compiled = aot(asked)
+        if asked and not planned:   # torch's cache answered: restore the plan stored beside it
+            entry = cache.hit(compiled)
+            if entry is not None:
+                configure(aot_cache.restore(entry, plan, opts))
+                if plan.step_plan.handoffs:   # as plan_pair did when it planned them
+                    _share_cores(cap.params, opts)
+            else:   # no plan known to be its graphs': compile afresh, storing nothing
+                cache.forgo()
+                compiled = aot(False)
     return compiled, plan, cap
 
 

@@ -43,15 +43,18 @@ _HOST_QUANTUM = 4 << 30
 _FORMAT = 1
 
 
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """A hash of the graph's structure and shapes (not its values): equal for the same
-    model, inputs' shapes and dtypes, and tracing, whichever streamer the graph's
-    megatrain ops name (a process numbers its streamers from 0 in compile order)."""
+def graph_fingerprint(gm: fx.GraphModule, blank_streamer: bool = True) -> str:
+    """A hash of the graph's structure, regions and shapes (not its values): equal for the
+    same model, inputs' shapes and dtypes, and tracing, whichever streamer the graph's
+    megatrain ops name (a process numbers its streamers from 0 in compile order) unless
+    `blank_streamer` is False. Reads AOTAutograd's fake values, or dynamo's before it."""
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         region = (n.meta.get("custom") or {}).get("megatrain_region")
-        h.update(f"{n.op}|{n.name}|{_target(n.target)}|{_describe(_without_streamer(n))}"
-                 f"|{_describe(n.kwargs)}|{region}|{_describe(n.meta.get('val'))}\n".encode())
+        args = _without_streamer(n) if blank_streamer else n.args
+        val = n.meta.get("val", n.meta.get("example_value"))
+        h.update(f"{n.op}|{n.name}|{_target(n.target)}|{_describe(args)}"
+                 f"|{_describe(n.kwargs)}|{region}|{_describe(val)}\n".encode())
     return h.hexdigest()
 
 
@@ -59,11 +62,18 @@ def key(graph: str, opts: Options) -> str:
     """The cache key of a choice for the graph fingerprinted `graph` under `opts`."""
     host = None if opts.host_memory is None else round(opts.host_memory / _HOST_QUANTUM)
     h = hashlib.sha256()
-    for part in (str(_FORMAT), graph, repr(dataclasses.replace(opts, host_memory=host)),
-                 _rates_files(opts.device), _source()):
+    for part in (str(_FORMAT), graph, options_text(opts, host),
+                 _rates_files(opts.device), source_hash()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+def options_text(opts: Options, host_memory) -> str:
+    """The options as key text, `host_memory` in place of its value, sets in a fixed order
+    (their order follows string hashing, which differs per process)."""
+    values = dataclasses.asdict(dataclasses.replace(opts, host_memory=host_memory))
+    return repr(sorted((k, repr(sorted(v) if isinstance(v, frozenset) else v)) for k, v in values.items()))
 
 
 def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
@@ -79,12 +89,24 @@ def load(k: str) -> tuple[frozenset[int], KeepChoice | None] | None:
         return None  # no entry, or an unreadable one: choose afresh
 
 
+def entry_text(regions: frozenset[int], choice: KeepChoice | None) -> str:
+    """The choice as the cache file holds it (JSON)."""
+    return json.dumps({"regions": sorted(regions), "choice": None if choice is None else {
+        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored),
+        "fused_loss_step_s": choice.fused_loss_step_s}})
+
+
+def stored_text(k: str) -> str | None:
+    """The entry stored under `k`, normalised as `entry_text` writes it; None without one."""
+    try:
+        return json.dumps(json.loads(_path(k).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
 def store(k: str, regions: frozenset[int], choice: KeepChoice | None) -> None:
     """Remember the choice under `k` (best effort: a cache that cannot be written is skipped)."""
-    entry = {"regions": sorted(regions), "choice": None if choice is None else {
-        "kept": sorted(choice.kept), "step_s": choice.step_s, "scored": list(choice.scored),
-        "fused_loss_step_s": choice.fused_loss_step_s}}
-    _write(_path(k), entry)
+    _write(_path(k), entry_text(regions, choice))
 
 
 def load_fused_loss(k: str) -> tuple[float, float] | None:
@@ -100,14 +122,14 @@ def load_fused_loss(k: str) -> tuple[float, float] | None:
 
 def store_fused_loss(k: str, plain_s: float, fused_s: float) -> None:
     """Remember that the graph keyed `k` compiles faster with the fused loss (best effort)."""
-    _write(_path(k, "loss"), {"plain_s": plain_s, "fused_s": fused_s})
+    _write(_path(k, "loss"), json.dumps({"plain_s": plain_s, "fused_s": fused_s}))
 
 
-def _write(path: Path, entry: dict) -> None:
+def _write(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry))
+        tmp.write_text(text)
         tmp.replace(path)   # atomic: a concurrent reader sees the old entry or the new one
     except OSError:
         pass
@@ -129,7 +151,7 @@ def _rates_files(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _source() -> str:
+def source_hash() -> str:
     """A hash of every megatrain source file (the cost model and the chooser among them)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()

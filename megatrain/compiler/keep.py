@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from .. import config
 from ..errors import MegatrainValueError
+from ..plan import inputs as plan_inputs
 from ..plan.keep import KeepChoice, choose_kept, comparable
 from ..plan.search import InfeasibleBudget, OffloadRoomExceeded, plan_step
 from . import decide, decision_cache, loss_choice, rates, update_sites
@@ -58,8 +59,10 @@ def choose(split, candidates_of, cap, opts: Options, streamer, joint: fx.GraphMo
     graph = None
     if forced is None and joint is not None and config.decision_cache and rates.calibrated(opts.device):
         graph = decision_cache.graph_fingerprint(joint)
-        hit = decision_cache.load(decision_cache.key(graph, opts))
+        k = decision_cache.key(graph, opts)
+        hit = decision_cache.load(k)
         if hit is not None:
+            plan_inputs.note_decision(graph, "remembered", decision_cache.stored_text(k) or "")
             return _remembered(split, *hit)
     plain = Split(*split(frozenset()))
     if plain.bw is None or forced is False or (forced is None and not rates.calibrated(opts.device)):
@@ -75,12 +78,14 @@ def choose(split, candidates_of, cap, opts: Options, streamer, joint: fx.GraphMo
     try:
         chosen, choice = _decide(split, plain, candidates, cap, opts, streamer, head)
     except Exception as e:  # noqa: BLE001  (any failure here only costs the speed-up)
+        plan_inputs.note_unrepeatable(f"deciding the kept regions failed ({type(e).__name__})")
         warnings.warn(f"megatrain: could not decide which regions keep their activations "
                       f"({type(e).__name__}: {e}); every region recomputes its forward",
                       RuntimeWarning, stacklevel=2)
         return plain, lambda: plain, None
     if graph is not None:   # keyed again: the choice may have timed kernels into the rates' cache
         decision_cache.store(decision_cache.key(graph, opts), chosen.kept, choice)
+        plan_inputs.note_decision(graph, "decided", decision_cache.entry_text(chosen.kept, choice))
     return chosen, lambda: plain, choice
 
 

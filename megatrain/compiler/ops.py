@@ -8,6 +8,7 @@ Before AOTAutograd (torch-level graph):
     right after the op that produces it, inside the compiled backward.
 
 After partitioning (inserted by `passes.insert_transfers`; `token` orders them):
+    begin_step(token!, streamer)                          a forward starts a step (first op)
     prefetch(token!, host_params, streamer, region)      start the host-to-device copy
     wait(token!, streamer, region, numel) -> flat         compute stream waits; the flat
                                                           device buffer (views follow)
@@ -95,6 +96,20 @@ def _(grad, streamer, region, param_id, param):
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op  # noqa: E402
 
 _register_effectful_op(torch.ops.megatrain.grad_to_optimizer.default, _EffectType.ORDERED)
+
+
+@torch.library.custom_op("megatrain::begin_step", mutates_args=("token",))
+def begin_step(token: Tensor, streamer: int) -> None:
+    # The forward's first op: a step of this graph starts (Streamer.begin_step). It is part
+    # of the graph, not a Python wrapper around the compiled forward, so that the compiled
+    # forward is Inductor's output as it is, which AOTAutograd's cache can save and load
+    # (compiler/aot_cache.py).
+    _s(streamer).begin_step()
+
+
+@begin_step.register_fake
+def _(token, streamer):
+    return None
 
 
 @torch.library.custom_op("megatrain::prefetch", mutates_args=("token",))
@@ -195,6 +210,7 @@ reload_wait = _activation_op("reload_wait", ("token", "t"))
 
 
 FETCH = torch.ops.megatrain.fetch.default
+BEGIN_STEP = torch.ops.megatrain.begin_step.default
 GRAD_TO_HOST = torch.ops.megatrain.grad_to_host.default
 GRAD_TO_OPTIMIZER = torch.ops.megatrain.grad_to_optimizer.default
 PREFETCH = torch.ops.megatrain.prefetch.default
@@ -209,4 +225,4 @@ OFFLOAD_WAIT = torch.ops.megatrain.offload_wait.default
 RELOAD = torch.ops.megatrain.reload.default
 RELOAD_WAIT = torch.ops.megatrain.reload_wait.default
 ACTIVATION_OPS = {"offload": OFFLOAD, "offload_wait": OFFLOAD_WAIT, "reload": RELOAD, "reload_wait": RELOAD_WAIT}
-TRANSFER_OPS = (PREFETCH, WAIT, EVICT, PREFETCH_NEXT, GRAD_TO_HOST, DRAIN, *ACTIVATION_OPS.values())
+TRANSFER_OPS = (BEGIN_STEP, PREFETCH, WAIT, EVICT, PREFETCH_NEXT, GRAD_TO_HOST, DRAIN, *ACTIVATION_OPS.values())

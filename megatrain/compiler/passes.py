@@ -5,6 +5,7 @@ Before (forward or backward ATen graph, as the partitioner leaves it):
     mm = aten.mm(x, aten.t(w))
 After (each planned Transfer, in the planner's order, at its anchor):
     token = aten.empty([0], dtype=uint8, device=dev)
+    megatrain.begin_step(token, 7)                             # forward only: a step starts
     megatrain.prefetch(token, [primals_3, primals_4], 7, 2)     # k regions ahead
     ...
     flat = megatrain.wait(token, 7, 2, 4224)
@@ -59,8 +60,6 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
             fetches.setdefault(groups[n.name] if groups is not None else n.args[2], []).append(n)
     by_name = {n.name: n for n in nodes}
     sched = ScheduledGraph(kind)
-    if not fetches and kind == "forward" and not any(t.kind in ops.ACTIVATION_OPS for t in transfers):
-        return sched
     layouts = {r: FlatLayout.of([f.meta["val"].shape for f in fs]) for r, fs in fetches.items()}
 
     fake = _fake_mode(graph)
@@ -71,14 +70,20 @@ def insert_transfers(gm: fx.GraphModule, kind: str, streamer: int, transfers: li
                                     {"dtype": torch.uint8, "device": device})
     with fake:
         token.meta["val"] = torch.empty(0, dtype=torch.uint8, device=device)
+    if kind == "forward":  # every forward starts a step, with or without transfers
+        with graph.inserting_after(token):
+            begin = graph.call_function(ops.BEGIN_STEP, (token, streamer))
+        after_cursor_start = begin
+    else:
+        after_cursor_start = token
 
     flats: dict[int, fx.Node] = {}
     prefetched: set[int] = set()
-    after_cursor: dict[int, fx.Node] = {-1: token}
+    after_cursor: dict[int, fx.Node] = {-1: after_cursor_start}
 
     def place(t: Transfer, make) -> None:
         if t.after:
-            anchor = after_cursor.get(t.anchor) or (token if t.anchor < 0 else nodes[t.anchor])
+            anchor = after_cursor.get(t.anchor) or (after_cursor_start if t.anchor < 0 else nodes[t.anchor])
             with graph.inserting_after(anchor):
                 n = make()
             after_cursor[t.anchor] = n

@@ -5,7 +5,9 @@ A user waiting on a first step wants to know where it goes; `megatrain.explain(m
 
     probe         the machine's rates, measured once per process (runtime/probe.py)
     capture       re-homing dynamo's graph onto the device, regions, weight casts
-    aot           AOTAutograd: tracing the joint graph, Inductor's joint passes, partition
+    aot           AOTAutograd: tracing the joint graph, Inductor's joint passes, partition;
+                  on a warm start, loading the cached graphs instead (aot_cache.py: then
+                  no planning, kernel timing or lowering follows)
     planning      the schedule search, transfer nodes, the StepPlan
     kernel_timing products and attention timed at the graph's shapes (runtime/kernel_probe.py)
     lowering      Inductor (or the eager lowering) compiling the forward and backward

@@ -39,6 +39,9 @@ class GraphPlan:
     compile_seconds: dict[str, float] = field(default_factory=dict)
     # The keep chooser's scores (plan.keep.KeepChoice; None where nothing was decided).
     keep_choice: object = None
+    # Restored from the cache beside AOTAutograd's (compiler/aot_cache.py): this process
+    # neither traced, partitioned, planned nor lowered the graph.
+    cached: bool = False
     _sited: tuple | None = field(default=None, repr=False)  # (sites, schedule) last simulated
 
     @property

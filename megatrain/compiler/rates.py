@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import config
 from ..runtime import kernel_probe, probe
+from ..plan import inputs as plan_inputs
 from ..plan.costs import CPU, GPU_DEFAULT, Rates
 from . import op_costs
 from .phases import phase
@@ -77,15 +78,19 @@ def kernel_flop_scales(graphs, device: torch.device, rates: Rates) -> dict:
                 flops[s] = f
     if not shapes:
         return {}
+    seen: dict[str, float | None] = {}
     try:
         with unset_fake_temporarily(), torch.enable_grad(), phase("kernel_timing"):
             measured = kernel_probe.measured_rates(torch.device(device), list(flops), flops,
-                                                   rates.flops)
+                                                   rates.flops, seen=seen)
     except Exception as e:  # timing sharpens a prediction; it must never stop a compile
+        plan_inputs.note_unrepeatable(f"timing the graph's products failed ({type(e).__name__})")
         warnings.warn(f"megatrain: timing the graph's products failed ({type(e).__name__}: {e}); "
                       f"the cost model charges them at the probe's matmul rate", stacklevel=2)
         return {}
     finally:
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
+    for key, seconds in seen.items():
+        plan_inputs.note_kernel(key, seconds)
     return {n: rates.flops / measured[s] for n, s in shapes.items() if s in measured}

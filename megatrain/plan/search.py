@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import MegatrainValueError, format_bytes
 from .costs import Rates
 from .events import GraphEvents, RegionUse, graph_events
+from .inputs import note_parked
 from .problem import Problem, _env, _Shape
 from .program import (
     PlanConfig,
@@ -161,6 +162,7 @@ def _plan_step(problem: Problem, budget: int, rates: Rates, dims: Mapping | None
                     cfg = replace(cfg, reload_lead=0)
                 if room is not None:
                     parked = sum(out_bytes[u] for u in cfg.offloaded)
+                    note_parked(parked, admitted=parked <= room)
                     if parked > room:
                         host_short = parked if host_short is None else min(host_short, parked)
                         continue

@@ -55,11 +55,13 @@ def cache_file(device: torch.device) -> Path:
 
 
 def measured_rates(device: torch.device, shapes: list[KernelShape],
-                   flops: dict[KernelShape, int], probe_flops: float) -> dict[KernelShape, float]:
+                   flops: dict[KernelShape, int], probe_flops: float,
+                   seen: dict[str, float | None] | None = None) -> dict[KernelShape, float]:
     """FLOP/s of each shape on `device` (`flops`: its FLOPs as the cost model counts them;
     `probe_flops`: the probe's matmul rate, which bounds how much of a shape is timed),
     from the cache or measured now and cached. A shape that cannot be timed here is left
-    out: the cost model charges it at the probe's matmul rate."""
+    out: the cost model charges it at the probe's matmul rate. `seen`, if given, gets each
+    shape's key and the seconds read or measured (None: it could not be timed)."""
     path = cache_file(device)
     try:
         cached = json.loads(path.read_text())
@@ -73,7 +75,11 @@ def measured_rates(device: torch.device, shapes: list[KernelShape],
                 shrink = max(1.0, flops.get(s, 0) / (probe_flops * MAX_SECONDS))
                 seconds = new[s.key] = _time(device, s, shrink)
             except (RuntimeError, ValueError, TypeError):
+                if seen is not None:
+                    seen[s.key] = None
                 continue  # an op or layout this machine cannot run alone
+        if seen is not None:
+            seen[s.key] = seconds
         if seconds > 0 and flops.get(s, 0) > 0:
             out[s] = flops[s] / seconds
     if new:

@@ -91,7 +91,7 @@ def test_a_node_is_charged_at_its_own_rate(tmp_path, monkeypatch):
         lambda cls, d: probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 14, repeats=1)))
     half = {}
 
-    def half_rate(device, shapes, flops, probe_flops):
+    def half_rate(device, shapes, flops, probe_flops, seen=None):
         base = rates_mod.cached_rates(device).flops
         half.update({s: base / 2 for s in shapes})
         return dict(half)

@@ -1,0 +1,183 @@
+"""A second process compiling the same model gets AOTAutograd's cache hit and megatrain's
+plan stored beside it (compiler/aot_cache.py): no joint trace, no planning, no lowering,
+and it trains bitwise as the first process and as a compile without the cache. A changed
+option, knob or streamer numbering is a miss, and so is a stored plan whose inputs no
+longer hold or that is not the plan of the graphs torch loaded: each compiles afresh and
+trains the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch._inductor")
+
+REPO = Path(__file__).resolve().parents[2]
+
+_CHILD = textwrap.dedent("""
+    import dataclasses, hashlib, json, sys, torch
+    import megatrain
+    from megatrain.compiler import aot_cache
+    from megatrain.models import Llama
+    from torch._dynamo.utils import counters
+    from tests.compiler.helpers import SMALL_VOCAB, random_batches, small_llama_config
+
+    args = json.loads(sys.argv[1])
+    megatrain.config.probe_rates = False
+    megatrain.config.decision_cache = False
+    megatrain.config.aot_cache = args.get("aot_cache", True)
+    if args.get("unmatched"):   # torch's entry is not the stored plan's graphs
+        aot_cache._loaded_fx_keys = lambda compiled: ("another", "graph")
+    if args.get("unrepeatable"):   # planning did something a later compile might not repeat
+        from megatrain.compiler import keep
+        from megatrain.plan import inputs as plan_inputs
+        choose = keep.choose
+        keep.choose = lambda *a, **k: (plan_inputs.note_unrepeatable("a test"), choose(*a, **k))[1]
+    options = {"device": "cpu", "precision": "fp32", **args.get("options", {})}
+    if args.get("other_first"):   # another model compiles first: streamer indices shift
+        other = torch.compile(torch.nn.Linear(8, 8), backend="megatrain", options=options)
+        other(torch.randn(2, 8)).sum().backward()
+    torch.manual_seed(0)
+    model = Llama(small_llama_config(layers=2))
+    opt = megatrain.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    with megatrain.config.patch(**args.get("knobs", {})):
+        step = torch.compile(model, backend="megatrain", options=options)
+        losses = []
+        for ids, labels in random_batches(SMALL_VOCAB, 3, 2, 16, torch.Generator().manual_seed(1)):
+            loss = step(ids, labels=labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        planned = megatrain.explain(step).graphs   # the training graph
+        with torch.no_grad():   # an inference graph, cached too
+            losses.append(step(ids, labels=labels).item())
+        planned += megatrain.explain(step).graphs   # the newest for these parameters
+    opt.synchronize()
+    assert len(planned) == 2 and planned[0] is not planned[1]
+    graphs = []
+    for g in planned:
+        s = g.step_plan
+        needs = sum(v for k, v in s.host_needs if not k.startswith("gradient slabs"))
+        assert s.host_memory is None or s.gradients.host_slab_bytes == s.host_memory - needs
+        s = dataclasses.replace(s, host_memory=None, gradients=dataclasses.replace(s.gradients, host_slab_bytes=None))
+        graphs.append({"cached": g.cached, "step_plan": repr(s), "events": [g.forward_events, g.backward_events],
+                       "code": g.code, "peak": g.predicted_peak_bytes, "saved": g.saved_activations,
+                       "phases": sorted(g.compile_seconds)})
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    print(json.dumps({"aot": dict(counters["aot_autograd"]), "megatrain": dict(aot_cache.counters),
+                      "losses": losses, "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+                      "graphs": graphs}))
+""")
+
+
+def _run(cache: Path, **args) -> dict:
+    # One thread: Inductor's CPU embedding backward accumulates a token id's repeats in the
+    # order its threads reach them, so with several the weights differ run to run in the
+    # last bits, cache or none.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "MEGATRAIN_CACHE": str(cache / "mt"),
+           "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True,
+                       env=env, cwd=REPO, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """One cold process (it fills the caches, Inductor's C++ kernels included, which the
+    later processes share) and its result."""
+    cache = tmp_path_factory.mktemp("warm-start")
+    return cache, _run(cache)
+
+
+def _trains_like(out: dict, ref: dict) -> None:
+    assert out["losses"] == ref["losses"]
+    assert out["params"] == ref["params"]
+
+
+def _planned_afresh(out: dict) -> None:
+    assert out["aot"].get("autograd_cache_hit", 0) == 0, out["aot"]
+    assert out["megatrain"].get("reused", 0) == 0, out["megatrain"]
+    assert all("planning" in g["phases"] and not g["cached"] for g in out["graphs"]), out["graphs"]
+
+
+def test_a_second_process_restores_the_plan_and_trains_bitwise_the_same(cold):
+    cache, first = cold
+    assert first["aot"].get("autograd_cache_saved", 0) == 2, first["aot"]   # training and inference graphs
+    assert first["megatrain"] == {"stored": 2}, first["megatrain"]
+    second = _run(cache)
+    assert second["aot"].get("autograd_cache_hit", 0) == 2, second["aot"]
+    assert second["aot"].get("autograd_cache_miss", 0) == 0, second["aot"]
+    assert second["megatrain"] == {"reused": 2}, second["megatrain"]
+    for g in second["graphs"]:   # nothing traced, planned or lowered
+        assert g["cached"] and not {"planning", "lowering"} & set(g["phases"]), g["phases"]
+    for mine, theirs in zip(second["graphs"], first["graphs"]):
+        for k in ("step_plan", "events", "code", "peak", "saved"):
+            assert mine[k] == theirs[k], k
+    _trains_like(second, first)
+    without = _run(cache, aot_cache=False)   # planned afresh; Inductor's kernels from its cache
+    assert without["aot"].get("autograd_cache_saved", 0) == 0 and not without["megatrain"]
+    _trains_like(without, first)
+
+
+@pytest.mark.parametrize("change", [
+    {"options": {"gpu_memory": "3GiB"}},
+    {"knobs": {"grad_slabs": 3}},
+    {"other_first": True},
+], ids=["gpu_memory", "knob", "streamer_numbering"])
+def test_a_changed_option_knob_or_streamer_misses(cold, change):
+    cache, first = cold
+    out = _run(cache, **change)
+    _planned_afresh(out)
+    assert out["aot"].get("autograd_cache_miss", 0) >= 2, out["aot"]
+    _trains_like(out, first)
+
+
+def test_a_stored_plan_whose_inputs_no_longer_hold_is_not_used(cold, tmp_path):
+    """The host room the plan was made for is gone (as if the free RAM fell): compiled
+    afresh, without asking torch's cache, and trained the same."""
+    cache, first = cold
+    copy = tmp_path / "cache"
+    subprocess.run(["cp", "-r", str(cache), str(copy)], check=True)
+    for path in (copy / "megatrain").glob("plan-*.pkl"):
+        entry = pickle.loads(path.read_bytes())
+        entry.inputs.room_ceiling = -1
+        path.write_bytes(pickle.dumps(entry))
+    out = _run(copy)
+    _planned_afresh(out)
+    assert out["megatrain"].get("stale", 0) == 2, out["megatrain"]
+    _trains_like(out, first)
+
+
+def test_a_plan_not_of_the_loaded_graphs_is_not_used(cold):
+    cache, first = cold
+    out = _run(cache, unmatched=True)
+    assert out["aot"].get("autograd_cache_hit", 0) == 2, out["aot"]
+    assert out["megatrain"] == {"unmatched": 2}, out["megatrain"]
+    assert all("planning" in g["phases"] and not g["cached"] for g in out["graphs"]), out["graphs"]
+    _trains_like(out, first)
+
+
+def test_a_plan_that_cannot_be_stored_leaves_no_entry_of_torch_either(cold):
+    """Else every later process would load torch's entry only to compile afresh. Here the
+    training graph's planning is marked unrepeatable; the inference graph's is not."""
+    cache, first = cold
+    once = _run(cache, unrepeatable=True, options={"gpu_memory": "2GiB"})
+    assert once["aot"] == {"autograd_cache_miss": 2, "autograd_cache_saved": 1}, once["aot"]
+    assert once["megatrain"] == {"stored": 1}, once["megatrain"]
+    again = _run(cache, unrepeatable=True, options={"gpu_memory": "2GiB"})
+    assert again["aot"] == {"autograd_cache_miss": 1, "autograd_cache_hit": 1}, again["aot"]
+    assert again["megatrain"] == {"reused": 1}, again["megatrain"]
+    training = again["graphs"][0]
+    assert "planning" in training["phases"] and not training["cached"], training
+    _trains_like(once, first)
+    _trains_like(again, first)

@@ -44,7 +44,7 @@ def test_the_fused_variant_moves_the_gradient_products_and_frees_the_logits():
     assert new.backward_work()[1] == head.backward_work()[1] + max(passes - traffic, 0)
 
 
-@pytest.mark.parametrize("vocab", [2048, 4096])
+@pytest.mark.parametrize("vocab", [pytest.param(2048, marks=pytest.mark.slow), 4096])
 def test_the_estimate_is_the_fused_plans_prediction(monkeypatch, vocab):
     """On a device counted as calibrated, the plain compile's estimate of the fused step is
     within 5% of the step the chooser predicts when the fused loss's own graphs are

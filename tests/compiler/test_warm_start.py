@@ -131,7 +131,7 @@ def test_a_second_process_restores_the_plan_and_trains_bitwise_the_same(cold):
 
 @pytest.mark.parametrize("change", [
     {"options": {"gpu_memory": "3GiB"}},
-    {"knobs": {"grad_slabs": 3}},
+    pytest.param({"knobs": {"grad_slabs": 3}}, marks=pytest.mark.slow),  # keyed as options are
     {"other_first": True},
 ], ids=["gpu_memory", "knob", "streamer_numbering"])
 def test_a_changed_option_knob_or_streamer_misses(cold, change):
@@ -167,6 +167,7 @@ def test_a_plan_not_of_the_loaded_graphs_is_not_used(cold):
     _trains_like(out, first)
 
 
+@pytest.mark.slow  # two more processes; a speed matter (no stale plan is ever used)
 def test_a_plan_that_cannot_be_stored_leaves_no_entry_of_torch_either(cold):
     """Else every later process would load torch's entry only to compile afresh. Here the
     training graph's planning is marked unrepeatable; the inference graph's is not."""

@@ -318,9 +318,6 @@ class _LogitsAlone(Exception):
     (_logits_alone), so no plan without it is tried."""
 
 
-
-
-
 def _already(e: Exception, applied: list[str], first: Exception) -> Exception:
     """`e` again, saying what was applied and what the step needed without it."""
     without = ""

@@ -448,9 +448,10 @@ def has_linear_cross_entropy(gm: fx.GraphModule) -> bool:
     return any(_match_linear_ce(n) is not None for n in gm.graph.nodes)
 
 
-def linear_ce_heads(gm: fx.GraphModule) -> list[tuple[fx.Node, object, object, object]]:
+def linear_ce_heads(gm: fx.GraphModule) -> list[tuple[fx.Node, object, object, object, torch.dtype]]:
     """Each linear + cross-entropy of `gm` the fused loss would replace, as (its product
-    node, tokens, width, vocab) (sizes symbolic where the graph's are; read only)."""
+    node, tokens, width, vocab, the cross-entropy's input dtype) (sizes symbolic where the
+    graph's are; read only)."""
     heads = []
     for ce in gm.graph.nodes:
         m = _match_linear_ce(ce)
@@ -458,33 +459,31 @@ def linear_ce_heads(gm: fx.GraphModule) -> list[tuple[fx.Node, object, object, o
             continue
         (hidden, weight, target, *_), _ = m
         product = next(u for u in hidden.users if _kind(u) == "linear" and u.args[1] is weight)
-        heads.append((product, _val(target).shape[0], _val(hidden).shape[-1], _val(weight).shape[0]))
+        heads.append((product, _val(target).shape[0], _val(hidden).shape[-1], _val(weight).shape[0],
+                      _val(_arg(ce, 0, "input", None)).dtype))
     return heads
 
 
+def head_logits_bytes(tokens: int, vocab: int, logits_dtype: torch.dtype, dtype: torch.dtype,
+                      inductor: bool) -> int:
+    """The least a plan without the fused loss holds at once for one loss head. Run as
+    written (`inductor` False): the cross-entropy's [tokens, vocab] input and its gradient,
+    each at least as wide as `dtype` (the fp32 upcast where the graph has one): the
+    backward forms the gradient from the input's log-softmax, kept by the forward, as
+    large. Lowered by Inductor: one [tokens, vocab] buffer no wider than the product's
+    output in `dtype`, since Inductor folds the upcast into the kernels that read the
+    logits and writes their gradient over them (op_costs.inplace_reuses)."""
+    if inductor:
+        return tokens * vocab * min(logits_dtype.itemsize, dtype.itemsize)
+    return 2 * tokens * vocab * max(logits_dtype.itemsize, dtype.itemsize)
+
+
 def unfused_logits_bytes(gm: fx.GraphModule, dtype: torch.dtype, inductor: bool = False) -> int:
-    """The least any plan of `gm` without the fused loss holds at once for its largest such
-    loss. Run as written (`inductor` False): the cross-entropy's [tokens, vocab] input and
-    its gradient, each at least as wide as `dtype` (the fp32 upcast where the graph has
-    one): the backward forms the gradient from the input's log-softmax, kept by the
-    forward, as large. Lowered by Inductor: one [tokens, vocab] buffer no wider than the
-    product's output in `dtype`, since Inductor folds the upcast into the kernels that read
-    the logits and writes their gradient over them (op_costs.inplace_reuses). 0 where no
-    loss matches or its sizes are symbolic (a bound must not guard on them)."""
-    most = 0
-    for n in gm.graph.nodes:
-        m = _match_linear_ce(n)
-        if m is None:
-            continue
-        (hidden, weight, target, *_), _ = m
-        logits = _val(_arg(n, 0, "input", None))
-        tokens, vocab = _val(target).shape[0], _val(weight).shape[0]
-        if isinstance(tokens, int) and isinstance(vocab, int):
-            if inductor:
-                most = max(most, tokens * vocab * min(logits.dtype.itemsize, dtype.itemsize))
-            else:
-                most = max(most, 2 * tokens * vocab * max(logits.dtype.itemsize, dtype.itemsize))
-    return most
+    """head_logits_bytes of `gm`'s largest loss head; 0 where no loss matches or its sizes
+    are symbolic (a bound must not guard on them)."""
+    return max((head_logits_bytes(tokens, vocab, logits_dtype, dtype, inductor)
+                for _, tokens, _, vocab, logits_dtype in linear_ce_heads(gm)
+                if isinstance(tokens, int) and isinstance(vocab, int)), default=0)
 
 
 def kernels_run_on(device: torch.device) -> bool:

@@ -70,12 +70,12 @@ def pending_head(gm: fx.GraphModule, compute_dtype: torch.dtype, inductor: bool)
     heads = fusions.linear_ce_heads(gm)
     if len(heads) != 1:
         return None  # no head, or several (their regions' numbers would mix): no estimate
-    product, tokens, width, vocab = heads[0]
+    product, tokens, width, vocab, logits_dtype = heads[0]
     if not all(isinstance(v, int) for v in (tokens, width, vocab)):
         return None
     if len(product.users) > 1:
         return None  # the logits are also returned: the fused loss would not free them
-    logits = fusions.unfused_logits_bytes(gm, compute_dtype, inductor=inductor)
+    logits = fusions.head_logits_bytes(tokens, vocab, logits_dtype, compute_dtype, inductor)
     one_pass = tokens * vocab * fusions._val(product).dtype.itemsize
     return product, logits, 2 * (2 * tokens * width * vocab), 2 * one_pass
 

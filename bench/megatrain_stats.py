@@ -110,21 +110,18 @@ def recompute_flops(graph) -> float:
 
 
 def host_rates_again(device) -> dict:
-    """The host AdamW rates the planner reads (runtime/probe.py), timed once more after the
+    """The host AdamW rates the planner reads (runtime/probe.py), timed twice more after the
     timed steps on the same machine: beside the row's `planned_rates` (the compile's probe)
     they say how far the probe moves within one machine, and beside `host_updates_by_phase`
-    how far it is from the rate training reached (G params/s). Also the update timed with
-    fp32 gradients (`fp32_grads`): what the probe timed before it took training's bf16 ones."""
+    how far it is from the rate training reached (G params/s). The first timing right after
+    training may still share the host with the optimizer's threads settling; the second
+    (`again`) says whether it did."""
     import torch
 
-    from megatrain.optim.engine import streaming_threads
-    from megatrain.runtime.probe import ProbeSizes, _adamw_rates, probe
+    from megatrain.runtime.probe import probe
 
     rates, _ = probe(device)
-    sizes = ProbeSizes.for_device(torch.device(device))
-    busy, quiet, _, _ = _adamw_rates(torch.device(device), sizes.adamw_params, sizes.repeats,
-                                     streaming_threads(torch.device(device).type), sizes.copy_bytes,
-                                     grads=torch.float32)
+    again, _ = probe(device)
     torch.cuda.empty_cache()  # the probe's blocks back, as the backend's probe hands them
     return {"adamw": rates.adamw, "adamw_quiet": rates.adamw_quiet,
-            "fp32_grads": {"adamw": busy, "adamw_quiet": quiet}}
+            "again": {"adamw": again.adamw, "adamw_quiet": again.adamw_quiet}}

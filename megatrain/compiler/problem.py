@@ -45,7 +45,7 @@ import torch.fx as fx
 from ..memory.layout import ALIGN_ELEMENTS
 from ..plan.events import RegionUse
 from ..plan.problem import Problem, RegionSpec, Weight
-from ..runtime.streamer import GRAD_TRANSFER_DTYPE
+from ..runtime.grad_copies import GRAD_TRANSFER_DTYPE
 from . import ops
 from .merges import Merge
 from .op_costs import flops as _flops

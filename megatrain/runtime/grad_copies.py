@@ -18,6 +18,13 @@ import torch
 
 from .stream_context import StreamContext
 
+# Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross the
+# link in fp32: twice bf16's bytes, but the host optimizer then runs torch's fused AdamW
+# directly instead of upcasting chunk by chunk, and the host is the bottleneck: with
+# several optimizer threads the step is shorter in fp32 than in bf16
+# (bench/train.py --optim-threads 8/bf16,8/fp32).
+GRAD_TRANSFER_DTYPE = torch.float32
+
 
 @dataclass(slots=True, eq=False)  # identity: a copy is one gradient's, never equal to another
 class GradCopy:
@@ -119,4 +126,4 @@ class Snapshots:
         return bool(self._copies)
 
 
-__all__ = ["GradCopy", "Snapshots", "copy_to_host", "settle_snapshots"]
+__all__ = ["GRAD_TRANSFER_DTYPE", "GradCopy", "Snapshots", "copy_to_host", "settle_snapshots"]

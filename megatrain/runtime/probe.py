@@ -5,9 +5,8 @@ dtype (a Linear's forward and backward products: the layouts training runs), dev
 bandwidth (a copy within the device), and the host AdamW update (parameters/s) as
 megatrain.AdamW runs it in a streamed step: its kernel (torch's fused CPU AdamW) on memory
 allocated as its state is (huge pages where the host allows), at its threads
-(optim.engine.streaming_threads), with gradients in the dtype they reach the host in (the
-compute dtype bf16 on a GPU: upcast chunk by chunk into a cache-sized scratch before the
-fused kernel reads them, as optim.functional.adamw_ does in training), and, on a GPU,
+(optim.engine.streaming_threads), with gradients in the dtype they reach the host in
+(grad_copies.GRAD_TRANSFER_DTYPE from a GPU, the parameters' fp32 on the CPU), and, on a GPU,
 while both directions of the link copy (the weights' fetches read host memory and the
 gradients' copies write it, through the bandwidth the update is bound by).
 On a CPU-only machine the "device" is the CPU: copies are CPU-to-CPU copies of the same sizes (both at once: two
@@ -35,6 +34,7 @@ from ..optim.engine import streaming_threads
 from ..plan.costs import Rates
 from ..memory.host_store import host_buffer, host_zeros, huge_pages_enabled
 from ..optim.functional import adamw_
+from .grad_copies import GRAD_TRANSFER_DTYPE
 
 
 @dataclass(frozen=True)
@@ -169,9 +169,9 @@ def _memory_rate(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 def grad_dtype(device: torch.device) -> torch.dtype:
-    """The dtype gradients reach the host update in on `device` under its default precision:
-    bf16 from a GPU (the runtime's narrow gradients), the parameters' fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    """The dtype gradients reach the host update in on `device`: the dtype they cross the
+    link in from a GPU (grad_copies.GRAD_TRANSFER_DTYPE), the parameters' fp32 on the CPU."""
+    return GRAD_TRANSFER_DTYPE if device.type == "cuda" else torch.float32
 
 
 def _adamw_rates(device: torch.device, numel: int, repeats: int, threads: int,

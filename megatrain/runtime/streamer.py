@@ -46,7 +46,7 @@ from . import graph_order, handoff_graphs
 from .activation_offload import ActivationStore
 from .deadlines import Deadlines
 from .grad_backlog import GradBacklog
-from .grad_copies import Snapshots
+from .grad_copies import GRAD_TRANSFER_DTYPE, Snapshots
 from .grad_handoff import GradHandoff
 from .grad_ring import GradRing
 from .grad_routes import (
@@ -63,13 +63,6 @@ from .step_stats import StepStats
 from .stream_context import StreamContext
 from .update_room import UpdateRoom
 from .weight_fetch import Inflight, WeightCopier, host_copies_current
-
-# Gradients are upcast to fp32 on the GPU (part of the snapshot copy, free) and cross the
-# link in fp32: twice bf16's bytes, but the host optimizer then runs torch's fused AdamW
-# directly instead of upcasting chunk by chunk, and the host is the bottleneck: with
-# several optimizer threads the step is shorter in fp32 than in bf16
-# (bench/train.py --optim-threads 8/bf16,8/fp32).
-GRAD_TRANSFER_DTYPE = torch.float32
 
 # Chunks of the gradient ring (grad_ring.py) when it is on: one being filled, one waiting,
 # one being updated, and one of slack for the hand-off's latency.

@@ -9,6 +9,7 @@ import torch
 
 from megatrain.plan.costs import Rates
 from megatrain.runtime import probe
+from megatrain.runtime.grad_copies import GRAD_TRANSFER_DTYPE
 
 TINY = probe.ProbeSizes(copy_bytes=1 << 20, matmul_n=64, adamw_params=1 << 14, repeats=1)
 
@@ -127,7 +128,7 @@ def test_a_cache_taken_otherwise_is_measured_over(tmp_path, monkeypatch, stale):
         data["meta"]["adamw_beside"] = "duplex copies"
     elif stale == "torch's optimizer":
         data["meta"]["adamw_impl"] = "fused"
-    elif stale == "other grads":  # bf16 gradients, as a GPU's probe times them
+    elif stale == "other grads":  # bf16 gradients, a path training does not run here
         data["meta"]["adamw_impl"] = probe._update_timed(torch.bfloat16)
     else:
         del data["meta"]["adamw_threads"], data["meta"]["adamw_beside"], data["meta"]["adamw_impl"]
@@ -183,10 +184,10 @@ def test_the_probe_times_megatrains_update_on_its_states_memory(tmp_path, monkey
 
 
 def test_the_update_is_timed_with_the_gradients_training_hands_it():
-    """A GPU's gradients reach the host in bf16 and the update upcasts them chunk by chunk:
-    the probe times that path there (its cache entry says which, so a cache of the other
-    path is measured again), the fp32 one on the CPU."""
-    assert probe.grad_dtype(torch.device("cuda")) == torch.bfloat16
+    """The probe times the update with the gradients' dtype as they cross the link from a GPU
+    (the dtype the runtime's gradient copies write; its cache entry says which, so a cache
+    of another path is measured again), fp32 on the CPU; both paths time."""
+    assert probe.grad_dtype(torch.device("cuda")) == GRAD_TRANSFER_DTYPE
     assert probe.grad_dtype(torch.device("cpu")) == torch.float32
     for dtype in (torch.float32, torch.bfloat16):
         rate, quiet, impl, busy = probe._adamw_rates(torch.device("cpu"), 1 << 16, 1, 1, 1 << 16, grads=dtype)

@@ -72,6 +72,12 @@ def _megatrain_stats(step_fn) -> dict:
                                  for r, why in s.resident.demoted.items()},
             "device_update_sites": sum(list(g.update_sites.values()).count("device") for g in plan.graphs),
             "page_lock_failures": list(host_store.register_failures),
+            # the host update rate each plan charged, what training reached (the median of
+            # its observed steps) and the scale written to the probe's cache for the next
+            # compile, if any (runtime/host_rate.py)
+            "host_rate_watch": [{"planned": w.planned, "observed": w.observed, "steps": w.rates,
+                                 "written_scale": w.written_scale}
+                                for w in (s.host_rate for s in streamers) if w is not None],
             "planned_with": sorted({g.schedule.rates.device for g in plan.graphs if g.schedule is not None}),
             "planned_rates": next((g.schedule.rates.to_json() for g in plan.graphs if g.schedule is not None), None),
             "h2d_bytes": sum(s.h2d_bytes for s in stats), "d2h_bytes": sum(s.d2h_bytes for s in stats),

@@ -16,6 +16,7 @@ import torch
 from ..plan.step_plan import GradientPath, RegionDecision, StepPlan
 from . import host_budget, update_sites
 from .options import Options
+from .rates import probed_here
 
 
 def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, int]],
@@ -51,7 +52,8 @@ def step_plan(plan, cap, opts: Options, streamer, handoffs: Sequence[tuple[int, 
         gradients=_gradient_path(opts, needs, host_updates=any(
             sites.get(g.region, "host") == "host" for g in regions)), handoffs=tuple(handoffs), update_reserve=reserve,
         snapshot_window=window, host_needs=tuple(needs.items()), host_memory=opts.host_memory,
-        predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time)
+        predicted_peak_bytes=plan.predicted_peak_bytes, predicted_step_s=chosen.step_time,
+        host_update_rate=chosen.schedule.host_update_rate if probed_here(sched.rates, opts.device) else None)
 
 
 def host_needs_of(chosen, cap, opts: Options, training: bool) -> dict[str, int]:

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .. import config
-from ..runtime import kernel_probe, probe
+from ..runtime import host_rate, kernel_probe, probe
 from ..plan import inputs as plan_inputs
 from ..plan.costs import CPU, GPU_DEFAULT, Rates
 from . import op_costs
@@ -34,12 +34,23 @@ def calibrated(device: torch.device | str) -> bool:
 
 
 def cached_rates(device: torch.device) -> Rates | None:
+    """The probe's cached rates of `device`, its host update rates scaled to what training
+    reached on this machine where a run recorded that (runtime/host_rate.py)."""
     name = probe.device_name(device)
     try:
-        rates = Rates.from_json(json.loads(probe.cache_path(name).read_text())["rates"])
-        return rates if rates.device == name else None
+        data = json.loads(probe.cache_path(name).read_text())
+        rates = Rates.from_json(data["rates"])
+        if rates.device != name:
+            return None
+        return rates.scaled(host=host_rate.training_host_scale(data))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no cache, or an unreadable or older one
+
+
+def probed_here(rates: Rates, device: torch.device) -> bool:
+    """Whether `rates` are this machine's probe's (not defaults) on a calibrated device:
+    the plans whose predicted host rate training is held to."""
+    return calibrated(device) and rates.device == probe.device_name(device)
 
 
 def measure_once(device: torch.device) -> None:

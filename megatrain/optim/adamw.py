@@ -478,6 +478,9 @@ class AdamW(HostUpdates, DeviceSide, Optimizer):
     def waits_for_norm(self) -> bool:
         return self.max_grad_norm is not None or self.skip_nonfinite
 
+    def updates_at_once(self) -> bool:
+        return self._accumulating == 0 and not self.waits_for_norm()
+
     def prefer_threads(self, threads: int) -> None:
         """A runtime's suggestion, applied only when the user left ``threads`` unset: the
         streaming runtime asks for fewer threads than cores because the host update shares

@@ -46,6 +46,11 @@ class GradientConsumer(Protocol):
     def prefer_threads(self, threads: int) -> None:
         """Use this many host threads unless the user chose a number."""
 
+    def updates_at_once(self) -> bool:
+        """Whether a final gradient handed in now is applied as it arrives: not summed for a
+        later micro-batch, not held for ``step()``. Only such updates' rate is comparable
+        with the cost model's (runtime/host_rate.py)."""
+
     def waits_for_norm(self) -> bool:
         """Whether a final gradient's update waits for ``step()`` (clipping or a non-finite
         check needs every gradient first): the planner then times the host's updates after

@@ -177,6 +177,22 @@ class Schedule:
     def gpu_idle(self) -> float:
         return self.step_time - self.compute_seconds
 
+    @property
+    def host_update_rate(self) -> float | None:
+        """Parameters/s the cost model charged the host's AdamW updates at (their blend of
+        the busy- and quiet-link rates, costs.host_bandwidth): what the runtime compares
+        the rate training reaches with. None where no update runs on the host or the
+        updates wait for the step's end (clipping: their time is not one update's)."""
+        if self.problem.updates_wait:
+            return None
+        numel = {w.id: w.numel for w in self.problem.weights}
+        params = seconds = 0.0
+        for t in self.streams["host"]:
+            if t.kind == "host_step":
+                params += sum(numel[w] for w in self.graph.nodes[t]["weights"])
+                seconds += self.end[t] - self.start[t]
+        return params / seconds if params > 0 and seconds > 0 else None
+
 
 @contextlib.contextmanager
 def _no_cyclic_gc() -> Iterator[None]:

@@ -76,6 +76,10 @@ class StepPlan:
     host_memory: int | None = None  # the budget they were held to
     predicted_peak_bytes: int = 0
     predicted_step_s: float | None = None  # the planner's schedule, every update on the host
+    # Parameters/s the plan charged each host AdamW update at, where they came from this
+    # machine's probe and run as their gradients arrive (runtime/host_rate.py holds
+    # training to it); None: nothing to hold it to.
+    host_update_rate: float | None = None
 
     def __post_init__(self):
         assert self.weights_from in ("masters", "shadows"), self.weights_from

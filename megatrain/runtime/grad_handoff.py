@@ -243,7 +243,7 @@ class GradHandoff:
             grads.append(total)
         if held is not None:
             self.backlog.release(held)  # on the host now: the device bytes go back
-        futures, started = [], time.perf_counter()
+        futures, started, at_once = [], time.perf_counter(), True
         with self._lock:
             self._unsubmitted.pop(ticket, None)
             promised = self._promised.pop(ticket, {})
@@ -257,12 +257,13 @@ class GradHandoff:
                         p.grad = g if p.grad is None else p.grad.add_(g)
                     continue
                 d = promised.get(key)
+                at_once = at_once and d is None and opt.updates_at_once()
                 futures.append(d.submit(gs) if d is not None else opt.submit(ps, gs))
         for f in futures:
             f.result()
         if futures:  # the worker's work on this region (one hand-off at a time)
             self._ctx.stats.host_updates.append((region, started, time.perf_counter(),
-                                                 sum(p.numel() for p in params)))
+                                                 sum(p.numel() for p in params), at_once))
 
     # -- end of backward -----------------------------------------------------------------
     def wait_handoffs(self) -> None:

@@ -36,9 +36,10 @@ class StepStats:
     computes: list = field(default_factory=list)  # CUDA (region, weights ready, evicted) on compute
     grad_copies: list = field(default_factory=list)  # CUDA (region, started, done) on the D2H stream
     # Host updates run from this step's begin_step to the next one's (those the last
-    # backward deferred included), (region, start, end, parameters) on the host's
-    # perf_counter clock, and when the step's phases began on that clock ("forward":
-    # begin_step, "backward": the forward's end, "drained": backward's end).
+    # backward deferred included), (region, start, end, parameters, applied at once) on the
+    # host's perf_counter clock (the last field False where the optimizer accumulated the
+    # gradients or held them for step()), and when the step's phases began on that clock
+    # ("forward": begin_step, "backward": the forward's end, "drained": backward's end).
     host_updates: list = field(default_factory=list)
     phase_starts: dict = field(default_factory=dict)
 
@@ -79,7 +80,7 @@ class StepStats:
         the GPU by what it has queued."""
         marks = sorted((t, name) for name, t in self.phase_starts.items())
         out: dict[str, dict[str, float]] = {}
-        for _, start, end, params in self.host_updates:
+        for _, start, end, params, _ in self.host_updates:
             phase = next((name for t, name in reversed(marks) if t <= start), "between steps")
             row = out.setdefault(phase, {"updates": 0, "params": 0, "busy_s": 0.0})
             row["updates"] += 1

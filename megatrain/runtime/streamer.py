@@ -58,6 +58,7 @@ from .grad_routes import (
     SlabRoute,
 )
 from .grad_slabs import GradSlabs
+from .host_rate import HostRateWatch
 from .host_grads import HostGrads
 from .step_stats import StepStats
 from .stream_context import StreamContext
@@ -121,6 +122,7 @@ class Streamer:
         self.region_names: dict[int, str] = {}  # for the safety net's error (wait)
         self.weight_shadow = False  # fetch from AdamW's bf16 shadows (StepPlan.weights_from)
         self.step_plan: StepPlan | None = None  # configure
+        self.host_rate: HostRateWatch | None = None  # configure, where the plan names a rate
         self.grad_transfer_dtype: torch.dtype | None = GRAD_TRANSFER_DTYPE  # None: compute dtype
         # -- weights in: each region's buffers, from prefetch to evict --
         self._weights = WeightCopier(self._ctx, compute_dtype, CAST_CHUNK, staging_slots)
@@ -231,6 +233,8 @@ class Streamer:
         self._kept.clear()
         if self.device_updates is not None:
             self.device_updates.abandon()
+        if self.host_rate is not None:  # the last step's updates are all in: they ran until now
+            self.host_rate.observe(self.stats.host_updates)
         self.stats = StepStats()
         self.stats.phase_starts["forward"] = time.perf_counter()
         self.pool.reset_peak()
@@ -319,6 +323,8 @@ class Streamer:
         self._expect_gradients(collections.Counter(p for _, p in step.handoffs),
                               collections.Counter(r for r, _ in step.handoffs))
         self.snapshot_window = step.snapshot_window
+        if step.host_update_rate is not None:
+            self.host_rate = HostRateWatch(self.device, step.host_update_rate)
         self._place_updates(step.device_regions, step.update_reserve, resident=step.resident_order)
         if g.route == "backlog":
             self._enable_backlog(g.backlog, list(step.handoffs))

@@ -11,7 +11,7 @@ so drift and noisy neighbours hit every path alike):
   mt submit     megatrain.AdamW.submit() per region, then step() (the runtime's path)
   mt staging    the same, gradients in two reusable one-region slabs (as the runtime has
                 them; small slabs may sit in cache, so this one can flatter megatrain)
-  mt clipped    the main job's default: bf16 gradients in the slabs, clipping on, so every
+  mt clipped    clipping on (the main job's default), bf16 gradients in the slabs, so every
                 update waits for step() (held in bf16, their norms taken at submit)
 G params/s = parameters / median seconds. The fused update reads param, grad, m, v and
 writes param, m, v: 28 B/param, so GB/s = 28 x G params/s.

@@ -48,7 +48,7 @@ def adamw_(
     must share its param's strides: the CPU fused kernel walks raw memory and would
     silently mix elements otherwise.
 
-    A gradient in a lower precision than its parameter (the runtime's bf16 gradients) is
+    A gradient in a lower precision than its parameter (bf16 handed in for fp32) is
     upcast chunk by chunk into a reused fp32 scratch right before the fused kernel reads
     it. Upcasting is exact, and AdamW is elementwise, so the result is bitwise that of
     ``adamw_`` on ``grad.float()``; but the host never writes and re-reads a full fp32

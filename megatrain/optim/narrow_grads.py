@@ -1,8 +1,9 @@
 """Final gradients that wait for ``step()`` in the precision they were handed in.
 
 With clipping or the non-finite check an update waits for the global norm, so its gradient
-is kept until ``step()``. The runtime hands in bf16 gradients for fp32 parameters; where
-such a gradient is all the parameter gets this step (a final ``submit``/``submit_pieces``
+is kept until ``step()``. A caller may hand in bf16 gradients for fp32 parameters (the
+runtime's gradient copies write fp32 by default, runtime/grad_copies.py); where such a
+gradient is all the parameter gets this step (a final ``submit``/``submit_pieces``
 outside ``accumulate()`` with no ``p.grad`` before it), keeping it in bf16 loses nothing:
 its fp32 value is its exact upcast. So it waits here, 2 bytes a parameter instead of the
 4 of an fp32 ``p.grad``, and ``step()`` upcasts it where it reads it: the norm

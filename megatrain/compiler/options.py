@@ -38,6 +38,12 @@ def parse_bytes(value: int | float | str, name: str = "gpu_memory") -> int:
     return n
 
 
+# The default CUDA budget (the free memory) is rounded down to this step: the budget is part
+# of the warm-start caches' keys (decision_cache.py, aot_cache.py), and the free memory
+# moves by a few MiB between processes that allocated a little differently before compiling.
+DEFAULT_BUDGET_STEP = 256 << 20
+
+
 @dataclass(frozen=True)
 class Options:
     """What the backend runs with: the user's options, validated, and the decisions.
@@ -46,7 +52,7 @@ class Options:
     device: where compute runs ("cuda", "cuda:1", "cpu"); the model and inputs stay on the CPU.
     gpu_memory: hard budget, in bytes or a string like "16GiB", for megatrain's device memory
         (weights in flight, saved activations, one region's working set). Default: the
-        device's free memory (CUDA) or 4 GiB (CPU device).
+        device's free memory (CUDA), rounded down to DEFAULT_BUDGET_STEP, or 4 GiB (CPU device).
     precision: "bf16" computes in bfloat16 from the fp32 host master; "fp32" computes in fp32
         and matches eager training to float tolerance.
     host_memory: the host RAM megatrain may add for training, in bytes or like "64GiB": the
@@ -150,7 +156,7 @@ def parse_options(options: dict | None) -> Options:
     if "gpu_memory" in options and options["gpu_memory"] is not None:
         gpu_memory = parse_bytes(options["gpu_memory"])
     elif device.type == "cuda":
-        gpu_memory = torch.cuda.mem_get_info(device)[0]
+        gpu_memory = torch.cuda.mem_get_info(device)[0] // DEFAULT_BUDGET_STEP * DEFAULT_BUDGET_STEP
     else:
         gpu_memory = 4 * 1024**3
     if device.type == "cuda":

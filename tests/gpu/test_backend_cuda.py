@@ -286,3 +286,21 @@ def test_offloaded_activations_on_cuda_fit_the_budget_and_train_like_keeping_the
     for a, b in zip(losses, kept_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, kept_losses)
     assert rel(params, kept_params) < 1e-5
+
+
+def test_the_default_budget_is_the_free_memory_rounded_to_its_step():
+    """Without gpu_memory the budget is the free device memory rounded down to
+    DEFAULT_BUDGET_STEP, so a few MiB allocated before compiling do not change it (the
+    warm-start caches key on it), and it never exceeds what is free."""
+    from megatrain.compiler.options import DEFAULT_BUDGET_STEP, parse_options
+
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    before = parse_options({"device": "cuda"}).gpu_memory
+    assert before % DEFAULT_BUDGET_STEP == 0 and free - DEFAULT_BUDGET_STEP < before <= free
+    # Room below the next step down: a small allocation keeps the same budget.
+    slack = free - before
+    if slack > (4 << 20):
+        small = torch.empty(slack // 2, dtype=torch.uint8, device="cuda")
+        assert parse_options({"device": "cuda"}).gpu_memory == before
+        del small

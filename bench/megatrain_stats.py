@@ -29,7 +29,18 @@ def _megatrain_stats(step_fn) -> dict:
     def measured(pairs: str) -> float:  # seconds covered by the last step's CUDA event pairs
         return sum(s.event_seconds(pairs) for s in stats)
 
+    from torch._dynamo.utils import counters
+
+    from megatrain.compiler import aot_cache
+
     return {"predicted_step_s": plan.predicted_step_s,
+            # how the warm-start caches answered: megatrain's plan cache (compiler/aot_cache.py
+            # counters: stored, reused, why not) and torch's AOTAutograd and FX graph caches
+            "warm_start_cache": {"megatrain": dict(aot_cache.counters),
+                                 "aot_autograd": {k: v for k, v in counters["aot_autograd"].items()
+                                                  if "cache" in k},
+                                 "inductor": {k: v for k, v in counters["inductor"].items()
+                                              if "cache" in k}},
             # the backend's compile phases in wall seconds (megatrain/compiler/phases.py);
             # dynamo's tracing is the first step's time less these and the step itself
             "compile_phases_s": {k: round(v, 3) for k, v in plan.compile_seconds.items()},

@@ -71,8 +71,10 @@ PLANNED = ("forward_code", "backward_code", "forward_events", "backward_events",
 NOT_PLANNED = ("regions", "budget", "streamer", "kernels", "note", "token_chunks", "compile_seconds",
                "cached", "_sited")
 
-# What happened, for tests and diagnostics: "stored", "reused", "stale" (an entry planning
-# afresh might not repeat), "unmatched" (torch's entry is not the stored plan's graphs).
+# What happened, for tests and diagnostics: "off" (the cache not used), "no entry" (none
+# stored under the tag), "stored", "reused", "stale: <what>" (an entry planning afresh
+# might not repeat), "unmatched" (torch's entry is not the stored plan's graphs), "not
+# stored: <why>".
 counters: collections.Counter = collections.Counter()
 
 
@@ -124,11 +126,15 @@ class GraphCache:
     def open(cls, cap, opts: Options, sid: int) -> GraphCache | None:
         """The cache for the capture `cap` (streamer `sid`) under `opts`; None where off."""
         if not enabled(opts):
+            counters["off"] += 1
             return None
         tag = key_tag(cap, opts, sid)
         entry = _load(tag)
-        if entry is not None and not _still_holds(entry, cap, opts):
+        if entry is None:
+            counters["no entry"] += 1
+        elif (stale := _what_changed(entry, cap, opts)) is not None:
             counters["stale"] += 1
+            counters[f"stale: {stale}"] += 1
             return cls(tag, None, ask=False)
         return cls(tag, entry, ask=True)
 
@@ -185,10 +191,14 @@ class GraphCache:
             last._fx_graph_cache_key = None   # what AOTAutograd saves an entry by
 
     def _store(self, plan: GraphPlan, bw_key: str | None, training: bool) -> bool:
-        if self.inputs is None or self.inputs.unrepeatable or self.fw_key is None \
-                or (training and bw_key is None):
-            return False
-        if {f.name for f in dataclasses.fields(GraphPlan)} != set(PLANNED) | set(NOT_PLANNED):
+        why = ("nothing recorded" if self.inputs is None
+               else ("unrepeatable" if self.inputs.unrepeatable else None)
+               or ("no forward key" if self.fw_key is None else None)
+               or ("no backward key" if training and bw_key is None else None)
+               or (None if {f.name for f in dataclasses.fields(GraphPlan)} == set(PLANNED) | set(NOT_PLANNED)
+                   else "unknown GraphPlan fields"))
+        if why is not None:
+            counters[f"not stored: {why}"] += 1
             return False
         entry = Entry({name: getattr(plan, name) for name in PLANNED}, self.inputs, training,
                       (self.fw_key, bw_key), self.warnings)
@@ -196,8 +206,10 @@ class GraphCache:
             blob = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL)
             pickle.loads(blob)
         except Exception:  # noqa: BLE001  (a plan that cannot travel is planned afresh)
+            counters["not stored: unpicklable"] += 1
             return False
         if not _write(_path(self.tag), blob):
+            counters["not stored: unwritable"] += 1
             return False
         counters["stored"] += 1
         return True
@@ -273,24 +285,25 @@ def _optimizers(params) -> list:
     return out
 
 
-def _still_holds(entry: Entry, cap, opts: Options) -> bool:
-    """Whether planning afresh now would read what the stored plan read (plan/inputs.py)."""
+def _what_changed(entry: Entry, cap, opts: Options) -> str | None:
+    """What planning afresh now would read differently from the stored plan (plan/inputs.py),
+    or None where nothing would."""
     inputs = entry.inputs
     if not inputs.admits_room(decide.offload_room(cap, opts, training=entry.training)):
-        return False
+        return "host room"
     if inputs.kernels:
         try:
             timed = json.loads(kernel_probe.cache_file(opts.device).read_text())
         except (OSError, ValueError):
-            return False
+            return "kernel timings unreadable"
         if any(timed.get(k) != seconds for k, seconds in inputs.kernels.items()):
-            return False
+            return "kernel timings"
     if inputs.decision is not None:
         graph, how, text = inputs.decision
         now = decision_cache.stored_text(decision_cache.key(graph, opts))
         if now != text and (how == "remembered" or now is not None):
-            return False
-    return True
+            return "kept-activations choice"
+    return None
 
 
 def _loaded_fx_keys(compiled) -> tuple | None:

@@ -32,6 +32,12 @@ _CHILD = textwrap.dedent("""
     args = json.loads(sys.argv[1])
     megatrain.config.probe_rates = False
     megatrain.config.decision_cache = False
+    if args.get("calibrated"):   # plan as on a GPU: probed rates, kernel timings, the keep choice
+        from megatrain.compiler import rates
+        rates.CALIBRATED = ("cuda", "cpu")
+        megatrain.config.probe_rates = megatrain.config.decision_cache = True
+    if args.get("cuda"):   # the defaults a GPU compile runs with
+        megatrain.config.probe_rates = megatrain.config.decision_cache = True
     megatrain.config.aot_cache = args.get("aot_cache", True)
     if args.get("unmatched"):   # torch's entry is not the stored plan's graphs
         aot_cache._loaded_fx_keys = lambda compiled: ("another", "graph")
@@ -71,7 +77,7 @@ _CHILD = textwrap.dedent("""
         graphs.append({"cached": g.cached, "step_plan": repr(s), "events": [g.forward_events, g.backward_events],
                        "code": g.code, "peak": g.predicted_peak_bytes, "saved": g.saved_activations,
                        "phases": sorted(g.compile_seconds)})
-    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    params = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu()
     print(json.dumps({"aot": dict(counters["aot_autograd"]), "megatrain": dict(aot_cache.counters),
                       "losses": losses, "params": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
                       "graphs": graphs}))
@@ -89,6 +95,18 @@ def _run(cache: Path, **args) -> dict:
                        env=env, cwd=REPO, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # two more processes; tests/gpu/test_warm_start_cuda.py holds the GPU's own
+def test_a_calibrated_plan_is_restored_too(tmp_path):
+    """Planned as on a GPU (the probe's rates, kernel timings, the kept-activations choice
+    remembered in the decision cache): the second process still restores the plan."""
+    first = _run(tmp_path, calibrated=True)
+    assert first["megatrain"] == {"no entry": 2, "stored": 2}, first["megatrain"]
+    second = _run(tmp_path, calibrated=True)
+    assert second["megatrain"] == {"reused": 2}, second["megatrain"]
+    assert second["aot"].get("autograd_cache_hit", 0) == 2, second["aot"]
+    _trains_like(second, first)
 
 
 @pytest.fixture(scope="module")

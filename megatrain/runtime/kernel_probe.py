@@ -60,8 +60,9 @@ def measured_rates(device: torch.device, shapes: list[KernelShape],
     """FLOP/s of each shape on `device` (`flops`: its FLOPs as the cost model counts them;
     `probe_flops`: the probe's matmul rate, which bounds how much of a shape is timed),
     from the cache or measured now and cached. A shape that cannot be timed here is left
-    out: the cost model charges it at the probe's matmul rate. `seen`, if given, gets each
-    shape's key and the seconds read or measured (None: it could not be timed)."""
+    out (cached as 0 seconds): the cost model charges it at the probe's matmul rate. `seen`,
+    if given, gets each shape's key and the seconds read or measured (None: the device ran
+    out of memory timing it, so a later compile times it again)."""
     path = cache_file(device)
     try:
         cached = json.loads(path.read_text())
@@ -74,10 +75,14 @@ def measured_rates(device: torch.device, shapes: list[KernelShape],
             try:
                 shrink = max(1.0, flops.get(s, 0) / (probe_flops * MAX_SECONDS))
                 seconds = new[s.key] = _time(device, s, shrink)
-            except (RuntimeError, ValueError, TypeError):
-                if seen is not None:
+            except torch.OutOfMemoryError:
+                if seen is not None:   # the device was full this time: timed again next time
                     seen[s.key] = None
-                continue  # an op or layout this machine cannot run alone
+                continue
+            except (RuntimeError, ValueError, TypeError):
+                # An op or layout this machine cannot run alone: cached as 0 (charged at the
+                # probe's rate), so every later compile plans it the same way.
+                seconds = new[s.key] = 0.0
         if seen is not None:
             seen[s.key] = seconds
         if seconds > 0 and flops.get(s, 0) > 0:

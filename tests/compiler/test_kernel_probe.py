@@ -5,6 +5,7 @@ charges a node its FLOPs at its own rate."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -77,6 +78,39 @@ def test_each_shape_is_timed_once_per_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel_probe, "_time", no_timing)
     assert kernel_probe.measured_rates(torch.device("cpu"), [mm, attn, back], flops, 1e11) == rates
+
+
+def test_a_shape_that_cannot_run_alone_is_cached_as_such(tmp_path, monkeypatch):
+    """Left out of the rates (charged at the probe's), and remembered: a later compile reads
+    the same answer without timing, so its plan is the same (a warm start's plan cache
+    needs that); a full device is not remembered."""
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path))
+    m, k, n = (random.randint(16, 96) for _ in range(3))
+    mm = kernel_probe.KernelShape("mm", ((m, k), (k, n)), "float32", (False, True))
+    odd = kernel_probe.KernelShape("conv", ((m, k), (k, n)), "float32", ())   # _time refuses it
+    flops = {mm: 2 * m * k * n, odd: 2 * m * k * n}
+    seen: dict = {}
+    rates = kernel_probe.measured_rates(torch.device("cpu"), [mm, odd], flops, 1e11, seen=seen)
+    assert set(rates) == {mm} and seen[odd.key] == 0.0 and seen[mm.key] > 0
+
+    def no_timing(*a):
+        raise AssertionError("timed again despite the cache")
+
+    monkeypatch.setattr(kernel_probe, "_time", no_timing)
+    again: dict = {}
+    assert kernel_probe.measured_rates(torch.device("cpu"), [mm, odd], flops, 1e11, seen=again) == rates
+    assert again == seen
+
+    full = kernel_probe.KernelShape("mm", ((m + 1, k), (k, n)), "float32", (False, True))
+
+    def out_of_memory(*a):
+        raise torch.OutOfMemoryError("full")
+
+    monkeypatch.setattr(kernel_probe, "_time", out_of_memory)
+    third: dict = {}
+    assert full not in kernel_probe.measured_rates(torch.device("cpu"), [full], {full: 1}, 1e11, seen=third)
+    assert third == {full.key: None}
+    assert full.key not in json.loads(kernel_probe.cache_file(torch.device("cpu")).read_text())
 
 
 def test_a_node_is_charged_at_its_own_rate(tmp_path, monkeypatch):

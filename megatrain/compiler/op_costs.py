@@ -63,12 +63,29 @@ def flops(n: fx.Node):
     formula = flop_registry.get(t.overloadpacket)
     vals = fx.node.map_aggregate((n.args, n.kwargs),
                                  lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a)
+    if t.overloadpacket is torch.ops.aten._grouped_mm:
+        return _grouped_mm_flops(vals[0][0], n.meta.get("val"))
     if formula is None:
         return _attention_flops(t, vals[0])
     try:
         return formula(*vals[0], out_val=n.meta.get("val"), **vals[1])
     except (TypeError, ValueError, AssertionError, IndexError):  # a formula that does not
         return 0  # know this overload's arguments: the op's time is not modelled
+
+
+def _grouped_mm_flops(a: torch.Tensor, out: torch.Tensor):
+    """aten._grouped_mm (a mixture of experts' products; torch's counter has no formula):
+    every output element is one group's dot product over the contracted dim, so 2 x the
+    output's elements x that dim; a 2D x 2D product splits the contracted dim between the
+    groups (out [G, M, N]), so each output row of a group sums its share only."""
+    if not isinstance(a, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return 0
+    if a.dim() == 2 and out.dim() == 3:
+        return 2 * out.shape[1] * out.shape[2] * a.shape[1]
+    numel = 1
+    for d in out.shape:
+        numel *= d
+    return 2 * numel * a.shape[-1]
 
 
 def _attention_flops(t, args):

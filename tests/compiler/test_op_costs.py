@@ -91,3 +91,37 @@ def test_views_read_what_they_see_and_broadcasts_what_they_come_from():
     nodes = _build(make)
     owner = {n: 0 for n in nodes if n.op == "call_function"}
     assert _traffic(nodes, owner) == {0: 4 * ((t // 2) * h + h + (t // 2) * h)}
+
+
+def test_grouped_products_count_each_groups_share():
+    """aten._grouped_mm in its four layouts (a mixture of experts' forward and backward)
+    against the sum of each group's own product, on random group sizes (bf16, dims a
+    multiple of 8: what its meta function accepts)."""
+    rng = random.Random()
+    groups = rng.randint(2, 6)
+    m, k, n = (8 * rng.randint(1, 4) for _ in range(3))
+    total = 8 * rng.randint(groups + 1, 12)
+    cuts = sorted(rng.sample(range(1, total), groups - 1))
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, total])]   # each group's share of `total`
+    offs = torch.tensor(cuts + [total], dtype=torch.int32)
+    layouts = [  # (a, b, offs, the FLOPs of the groups' products one by one)
+        ((total, k), (groups, k, n), True, sum(2 * s * k * n for s in sizes)),   # experts' forward
+        ((m, total), (total, n), True, sum(2 * m * s * n for s in sizes)),       # a weight gradient
+        ((groups, m, k), (k, total), True, sum(2 * m * k * s for s in sizes)),
+        ((groups, m, k), (groups, k, n), False, 2 * groups * m * k * n),
+    ]
+    for a_shape, b_shape, grouped, expected in layouts:
+        fake = FakeTensorMode()
+        g = fx.Graph()
+        tensors = [torch.randn(a_shape, dtype=torch.bfloat16), torch.randn(b_shape, dtype=torch.bfloat16)]
+        if grouped:
+            tensors.append(offs)
+        args = []
+        for name, x in zip(("a", "b", "offs"), tensors):
+            p = g.placeholder(name)
+            p.meta["val"] = fake.from_tensor(x)
+            args.append(p)
+        mm = g.call_function(aten._grouped_mm.default, tuple(args))
+        with fake:
+            mm.meta["val"] = aten._grouped_mm.default(*[p.meta["val"] for p in args])
+        assert op_costs.flops(mm) == expected, (a_shape, b_shape)

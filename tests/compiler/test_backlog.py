@@ -117,8 +117,10 @@ def _deadline_order_kept(served) -> bool:
     return all(r < w for r, waiting in served for w in waiting)
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("tied", [False, True])
+# The device backlog's untied and tied variants under -m slow: the host's cover the order
+# and the device's tied case stays (keeps the default run within 15 minutes on 2 cores).
+@pytest.mark.parametrize("tied,where", [(False, "host"), (True, "host"), (True, "device"),
+                                        pytest.param(False, "device", marks=pytest.mark.slow)])
 def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, where, tied):
     torch.manual_seed(0)
     model = llama(tied)
@@ -171,8 +173,9 @@ def test_backlog_trains_bitwise_like_without_it_and_like_eager(slow_optimizer, w
     assert streamer._slabs.allocated == 2, "the device holds the backlog, not host slabs"
 
 
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("case", ["clip", "accumulate"])
+@pytest.mark.parametrize("case,where", [("clip", "host"), ("accumulate", "host"),
+                                       pytest.param("clip", "device", marks=pytest.mark.slow),
+                                       pytest.param("accumulate", "device", marks=pytest.mark.slow)])
 def test_updates_deferred_to_step_take_todays_path_and_stay_exact(slow_optimizer, case, where):
     """With clipping the updates wait for step(); with accumulation p.grad holds earlier
     micro-batches: the optimizer declines to defer, so backward waits for its backlog (and
@@ -216,8 +219,9 @@ def test_the_backlog_and_the_gradient_ring_exclude_each_other():
         parse_forced({"device": "cpu", "backlog": "host", "grad_chunk": "64MiB"})
 
 
-@pytest.mark.parametrize("backlog", ["host", "device"])
-@pytest.mark.parametrize("where", ["inside the layer loop", "after the embedding"])
+@pytest.mark.parametrize("where,backlog", [("inside the layer loop", "host"), ("after the embedding", "host"),
+                                           pytest.param("inside the layer loop", "device", marks=pytest.mark.slow),
+                                           pytest.param("after the embedding", "device", marks=pytest.mark.slow)])
 def test_graph_breaks_with_the_backlog(slow_optimizer, where, backlog):
     """A break inside the layer loop runs one graph for several layers (the same region id
     sealed once per layer: the queues' entries must not collide); a break after the

@@ -49,6 +49,7 @@ def _run(cache_dir) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a minute; test_warm_start.py's second process asks the same cache in the default run
 def test_second_process_hits_the_fx_graph_cache_for_forward_and_backward(tmp_path):
     first = _run(tmp_path)
     second = _run(tmp_path)

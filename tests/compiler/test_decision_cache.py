@@ -82,6 +82,7 @@ def test_a_second_compile_plans_the_remembered_choice_without_searching(cache):
     assert len(searches) == 2
 
 
+@pytest.mark.slow  # a compile more; the default run keeps the remembered and the changed-key cases
 def test_an_unreadable_entry_is_chosen_afresh(cache):
     folder, searches = cache
     torch.manual_seed(0)

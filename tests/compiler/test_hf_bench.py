@@ -32,6 +32,7 @@ REQUIRED = ("system", "model", "family", "layers", "params", "tokens_per_step", 
             "commit", "gpu", "torch", "time", "hostname")
 
 
+@pytest.mark.slow  # bench tooling: every scaled-down model through bench/hf_train.py --smoke
 def test_smoke_rows_carry_the_family_and_render(tmp_path):
     out = tmp_path / "train.jsonl"
     assert hf_train.main(["--smoke", "--model", "llama-1.3b", "--out", str(out)]) == 0

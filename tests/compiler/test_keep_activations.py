@@ -158,6 +158,7 @@ def _host_total(graph) -> int:
     return sum(v for _, v in graph.step_plan.host_needs)
 
 
+@pytest.mark.slow  # host_memory's part of the choice; test_host_memory.py holds its budget in the default run
 def test_kept_outputs_that_host_memory_cannot_hold_are_not_kept(monkeypatch):
     """Kept outputs of offloaded regions wait in host memory: where host_memory holds the
     recompute plan's offloads but not the kept ones, a forced keep warns and recomputes
@@ -240,6 +241,7 @@ def test_a_failure_while_deciding_warns_and_recomputes(monkeypatch):
     assert not out["plan"].graphs[0].kept_regions
 
 
+@pytest.mark.slow  # a forced knob's refusal (config.keep_activations), a diagnostic path
 def test_a_forced_keep_that_does_not_fit_says_so_and_recomputes():
     """keep_activations=True at a budget that holds the recomputing plan but not the kept
     one (no offload): a warning names the forced value, and the step recomputes and trains

@@ -40,7 +40,8 @@ def _train(step, opt, batches):
     return peaks
 
 
-@pytest.mark.parametrize("lowering,offload", [("inductor", False), ("inductor", True), ("eager", True)])
+@pytest.mark.parametrize("lowering,offload", [("inductor", True), ("eager", True),
+                                             pytest.param("inductor", False, marks=pytest.mark.slow)])
 def test_steps_stay_within_the_predicted_peak(lowering, offload):
     """A budget that binds (between the leanest plans with and without offloading): every
     step after the first (which also sets up the optimizer's state and the gradient slabs,
@@ -58,7 +59,7 @@ def test_steps_stay_within_the_predicted_peak(lowering, offload):
     assert max(peaks[1:]) <= plan.peak_bytes <= budget, (peaks, plan.peak_bytes, budget)
 
 
-@pytest.mark.parametrize("lowering", ["inductor", "eager"])
+@pytest.mark.parametrize("lowering", ["inductor", pytest.param("eager", marks=pytest.mark.slow)])
 def test_kept_weights_stay_within_the_predicted_peak(lowering):
     """keep_weights, under a budget that has room for only some regions' forward weights
     beside the plan: the kept buffers live from the forward to the backward, and every

@@ -150,7 +150,7 @@ def test_a_second_process_restores_the_plan_and_trains_bitwise_the_same(cold):
 @pytest.mark.parametrize("change", [
     {"options": {"gpu_memory": "3GiB"}},
     pytest.param({"knobs": {"grad_slabs": 3}}, marks=pytest.mark.slow),  # keyed as options are
-    {"other_first": True},
+    pytest.param({"other_first": True}, marks=pytest.mark.slow),  # a part of torch's key, not ours
 ], ids=["gpu_memory", "knob", "streamer_numbering"])
 def test_a_changed_option_knob_or_streamer_misses(cold, change):
     cache, first = cold
@@ -177,6 +177,7 @@ def test_a_stored_plan_whose_inputs_no_longer_hold_is_not_used(cold, tmp_path):
     _trains_like(out, first)
 
 
+@pytest.mark.slow  # a guard against another configuration's entry under the same tag
 def test_a_plan_not_of_the_loaded_graphs_is_not_used(cold):
     cache, first = cold
     out = _run(cache, unmatched=True)

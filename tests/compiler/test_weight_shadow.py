@@ -22,7 +22,8 @@ def options(shadow: bool, **more) -> dict:
     return {"device": "cpu", "precision": "bf16", "lowering": "eager", "weight_shadow": shadow, **more}
 
 
-@pytest.mark.parametrize("more", [{}, {"grad_chunk": 8192}, {"backlog": "host"}],
+@pytest.mark.parametrize("more", [{}, {"grad_chunk": 8192},
+                                  pytest.param({"backlog": "host"}, marks=pytest.mark.slow)],  # a third route
                          ids=["region slabs", "gradient ring (pieces)", "backlog"])
 def test_shadowed_training_is_bitwise_the_masters_path(more, monkeypatch):
     """Every host update writes the shadows (whole parameters, pieces from the gradient

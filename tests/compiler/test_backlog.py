@@ -219,7 +219,8 @@ def test_the_backlog_and_the_gradient_ring_exclude_each_other():
         parse_forced({"device": "cpu", "backlog": "host", "grad_chunk": "64MiB"})
 
 
-@pytest.mark.parametrize("where,backlog", [("inside the layer loop", "host"), ("after the embedding", "host"),
+@pytest.mark.parametrize("where,backlog", [("inside the layer loop", "host"),
+                                           pytest.param("after the embedding", "host", marks=pytest.mark.slow),
                                            pytest.param("inside the layer loop", "device", marks=pytest.mark.slow),
                                            pytest.param("after the embedding", "device", marks=pytest.mark.slow)])
 def test_graph_breaks_with_the_backlog(slow_optimizer, where, backlog):

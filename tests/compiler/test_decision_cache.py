@@ -105,6 +105,7 @@ def test_a_remembered_choice_that_does_not_fit_recomputes(cache, monkeypatch):
     assert not g.kept_regions and not searches
 
 
+@pytest.mark.slow  # test_warm_start.py's second process reads its key too
 def test_the_key_is_the_same_in_another_process(cache):
     """The fingerprint names ops and callables, never addresses: a second Python process
     compiling the same model finds this one's entry (its chooser, replaced by an exit,

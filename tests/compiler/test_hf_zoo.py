@@ -171,9 +171,11 @@ BUDGET = {"qwen2_tied_vocab": 1.7}
 INDUCTOR = tuple(sorted(ZOO)) if os.environ.get("MEGATRAIN_ZOO_INDUCTOR") == "all" else ("gpt2", "mixtral")
 
 # Run under -m slow only, to keep the default run within 15 minutes on 2 cores: a second
-# member of a family the default run covers (seq2seq: bart; encoders: bert; vision: clip)
-# and GPT-2 under Inductor (mixtral's routed experts stay).
-SLOW = {("switch", "eager"), ("t5", "eager"), ("vit", "eager"), ("deberta_v2", "eager"), ("gpt2", "inductor")}
+# member of a family the default run covers (seq2seq: bart; encoders: bert; vision: clip;
+# decoders: llama, gemma2 and the rest; GPT-2 in test_backend_cpu.py), the state-space
+# model, and the Inductor variants (the other test files lower with Inductor).
+SLOW = {("switch", "eager"), ("t5", "eager"), ("vit", "eager"), ("deberta_v2", "eager"), ("gemma", "eager"),
+        ("gpt2", "eager"), ("mamba", "eager"), ("gpt2", "inductor"), ("mixtral", "inductor")}
 
 
 def _zoo_cases():

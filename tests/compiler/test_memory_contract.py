@@ -40,7 +40,8 @@ def _train(step, opt, batches):
     return peaks
 
 
-@pytest.mark.parametrize("lowering,offload", [("inductor", True), ("eager", True),
+@pytest.mark.parametrize("lowering,offload", [("inductor", True),
+                                             pytest.param("eager", True, marks=pytest.mark.slow),
                                              pytest.param("inductor", False, marks=pytest.mark.slow)])
 def test_steps_stay_within_the_predicted_peak(lowering, offload):
     """A budget that binds (between the leanest plans with and without offloading): every

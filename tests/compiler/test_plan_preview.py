@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from plan_preview import peak_contents, preview  # noqa: E402
@@ -56,6 +58,7 @@ def test_preview_plans_with_a_gpu_runs_rates_and_times_the_sites():
     assert sited.step_time < schedule_slow.plan.step_time
 
 
+@pytest.mark.slow  # bench tooling (bench/prediction_check.py)
 def test_prediction_check_replans_a_recorded_row_with_its_rates(tmp_path, capsys):
     """bench/prediction_check.py: a row's prediction is reproduced from its planned_rates
     (the recorded one is what the bench stored), with its live resident count applied."""

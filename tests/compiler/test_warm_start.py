@@ -148,7 +148,7 @@ def test_a_second_process_restores_the_plan_and_trains_bitwise_the_same(cold):
 
 
 @pytest.mark.parametrize("change", [
-    {"options": {"gpu_memory": "3GiB"}},
+    pytest.param({"options": {"gpu_memory": "3GiB"}}, marks=pytest.mark.slow),  # a key of ours, as the knob's
     pytest.param({"knobs": {"grad_slabs": 3}}, marks=pytest.mark.slow),  # keyed as options are
     pytest.param({"other_first": True}, marks=pytest.mark.slow),  # a part of torch's key, not ours
 ], ids=["gpu_memory", "knob", "streamer_numbering"])

@@ -19,7 +19,6 @@ plan running now is not changed: its graphs are compiled.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import warnings
 from collections.abc import Sequence
@@ -67,9 +66,7 @@ def record_training_rate(device: torch.device | str, observed: float, planned: f
         return None
     data["training"] = {"adamw_scale": scale, "observed_params_per_s": observed,
                         "planned_params_per_s": planned}
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    probe.write_cache(path, data)
     return scale
 
 

@@ -308,11 +308,17 @@ def load_or_probe(device: torch.device | str = "cuda", refresh: bool = False,
         except (OSError, ValueError, KeyError, TypeError):
             pass
     rates, meta = probe(device, sizes)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"rates": rates.to_json(), "meta": meta}, indent=2))
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the new one
+    write_cache(path, {"rates": rates.to_json(), "meta": meta})
     return rates
 
 
-__all__ = ["ProbeSizes", "cache_dir", "cache_path", "device_name", "grad_dtype", "load_or_probe", "probe"]
+def write_cache(path: Path, data: dict) -> None:
+    """Write a rates cache file atomically: a concurrent reader sees the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+__all__ = ["ProbeSizes", "cache_dir", "cache_path", "device_name", "grad_dtype", "load_or_probe", "probe",
+           "write_cache"]

@@ -190,13 +190,22 @@ class GraphCache:
                                         training):
             last._fx_graph_cache_key = None   # what AOTAutograd saves an entry by
 
+    def _why_not_storable(self, bw_key: str | None, training: bool) -> str | None:
+        """Why this compile's plan cannot be stored, or None where it can."""
+        if self.inputs is None:
+            return "nothing recorded"
+        if self.inputs.unrepeatable:
+            return "unrepeatable"
+        if self.fw_key is None:
+            return "no forward key"
+        if training and bw_key is None:
+            return "no backward key"
+        if {f.name for f in dataclasses.fields(GraphPlan)} != set(PLANNED) | set(NOT_PLANNED):
+            return "unknown GraphPlan fields"
+        return None
+
     def _store(self, plan: GraphPlan, bw_key: str | None, training: bool) -> bool:
-        why = ("nothing recorded" if self.inputs is None
-               else ("unrepeatable" if self.inputs.unrepeatable else None)
-               or ("no forward key" if self.fw_key is None else None)
-               or ("no backward key" if training and bw_key is None else None)
-               or (None if {f.name for f in dataclasses.fields(GraphPlan)} == set(PLANNED) | set(NOT_PLANNED)
-                   else "unknown GraphPlan fields"))
+        why = self._why_not_storable(bw_key, training)
         if why is not None:
             counters[f"not stored: {why}"] += 1
             return False

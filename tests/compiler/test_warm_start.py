@@ -32,11 +32,10 @@ _CHILD = textwrap.dedent("""
     args = json.loads(sys.argv[1])
     megatrain.config.probe_rates = False
     megatrain.config.decision_cache = False
-    if args.get("calibrated"):   # plan as on a GPU: probed rates, kernel timings, the keep choice
+    if args.get("calibrated"):   # the CPU planned as a GPU is: its probe, kernel timings, the keep choice
         from megatrain.compiler import rates
         rates.CALIBRATED = ("cuda", "cpu")
-        megatrain.config.probe_rates = megatrain.config.decision_cache = True
-    if args.get("cuda"):   # the defaults a GPU compile runs with
+    if args.get("calibrated") or args.get("cuda"):   # the defaults a GPU compile runs with
         megatrain.config.probe_rates = megatrain.config.decision_cache = True
     megatrain.config.aot_cache = args.get("aot_cache", True)
     if args.get("unmatched"):   # torch's entry is not the stored plan's graphs

@@ -74,7 +74,7 @@ NOT_PLANNED = ("regions", "budget", "streamer", "kernels", "note", "token_chunks
 # What happened, for tests and diagnostics: "off" (the cache not used), "no entry" (none
 # stored under the tag), "stored", "reused", "stale: <what>" (an entry planning afresh
 # might not repeat), "unmatched" (torch's entry is not the stored plan's graphs), "not
-# stored: <why>".
+# stored: <why>" (also where torch's cache bypasses the graph).
 counters: collections.Counter = collections.Counter()
 
 
@@ -99,6 +99,21 @@ def enabled(opts: Options) -> bool:
 
     return (hasattr(torch.compiler.config, "cache_key_tag") and not torch.compiler.config.force_disable_caches
             and bool(getattr(functorch_config, "enable_autograd_cache", False)))
+
+
+def torch_refuses(gm: torch.fx.GraphModule) -> str | None:
+    """Why AOTAutograd's cache would bypass `gm` (it then neither loads nor saves an entry,
+    and says so only in its log and a counter), or None where it would not. Its check wants
+    every node a method is called on to carry its fake value, as dynamo gives each node."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+    except ImportError:
+        return None
+    try:
+        check_cacheable(gm)
+    except BypassAOTAutogradCache as e:
+        return str(e).strip().splitlines()[0]
+    return None
 
 
 def _serializable():
@@ -135,6 +150,9 @@ class GraphCache:
         elif (stale := _what_changed(entry, cap, opts)) is not None:
             counters["stale"] += 1
             counters[f"stale: {stale}"] += 1
+            return cls(tag, None, ask=False)
+        if (refused := torch_refuses(cap.gm)) is not None:
+            counters[f"not stored: torch bypasses the graph: {refused}"] += 1
             return cls(tag, None, ask=False)
         return cls(tag, entry, ask=True)
 

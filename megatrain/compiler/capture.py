@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import MegatrainTypeError, MegatrainValueError, UnsupportedError
 from ..optim.registry import owner_of
@@ -230,6 +231,7 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
         elif isinstance(x, torch.Tensor) and device.type != "cpu":
             with graph.inserting_after(last_placeholder):
                 moved = graph.call_method("to", (node,), {"device": device})
+            _carry_value(node, moved, device)
             users = [u for u in node.users if u is not moved]
             for u in users:
                 u.replace_input_with(node, moved)
@@ -258,6 +260,7 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
                 if isinstance(a, fx.Node) and isinstance(a.meta.get("example_value"), torch.Tensor) \
                         and a.op != "placeholder":
                     n = graph.call_method("to", (a,), {"device": torch.device("cpu")})
+                    _carry_value(a, n, torch.device("cpu"))
                     if last_region is not None:
                         n.meta["custom"] = {"megatrain_region": last_region}
                     return n
@@ -269,6 +272,17 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
     graph.lint()
     gm.recompile()
     return Capture(gm, params, fqns, region_map, region_params)
+
+
+def _carry_value(src: fx.Node, moved: fx.Node, device: torch.device) -> None:
+    """Give a node moving `src` to `device` the fake value dynamo would have given it. Passes
+    read a node's value from its meta, and AOTAutograd's cache refuses (bypasses) a graph
+    where a method is called on a node without one: on a GPU every input is moved here, so
+    without this no GPU graph was ever cached across processes."""
+    value = src.meta.get("example_value")
+    if isinstance(value, FakeTensor):
+        with value.fake_mode:
+            moved.meta["example_value"] = value.to(device=device)
 
 
 def _fill_region_params(regions: list[Region], region_params, params, fqns) -> None:

@@ -16,6 +16,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from megatrain.models import Llama
+
+from .helpers import SMALL_VOCAB, small_llama_config
 
 pytest.importorskip("torch._inductor")
 
@@ -201,3 +206,50 @@ def test_a_plan_that_cannot_be_stored_leaves_no_entry_of_torch_either(cold):
     assert "planning" in training["phases"] and not training["cached"], training
     _trains_like(once, first)
     _trains_like(again, first)
+
+
+def _captured_for(device: torch.device, model: torch.nn.Module, *inputs) -> torch.fx.GraphModule:
+    """The graph capture.rehome makes of `model` for `device`. Only capture runs, never the
+    graph, so a GPU's capture is made on the CPU too (dynamo's fake values need no GPU)."""
+    from megatrain.compiler.capture import rehome
+
+    captured = []
+
+    def backend(gm, example_inputs):
+        captured.append(rehome(gm, example_inputs, device, 0).gm)
+        raise _Captured()
+
+    with pytest.raises(Exception, match="_Captured"):
+        torch.compile(model, backend=backend)(*inputs)
+    return captured[0]
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_a_graph_captured_for_a_gpu_is_one_torchs_cache_keeps():
+    """On a GPU capture moves each input to the device (and the outputs back); a moved node
+    without its fake value made AOTAutograd's cache bypass every GPU graph, so no warm GPU
+    process found an entry."""
+    from megatrain.compiler.aot_cache import torch_refuses
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, SMALL_VOCAB, (2, 16))
+    for device in (torch.device("cuda", 0), torch.device("cpu")):
+        gm = _captured_for(device, Llama(small_llama_config(layers=2)), ids, ids)
+        moved = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"
+                 and "device" in n.kwargs]
+        assert len(moved) >= (2 if device.type == "cuda" else 0), gm.code
+        for n in moved:
+            assert n.meta["example_value"].device == n.kwargs["device"], n
+        assert torch_refuses(gm) is None, torch_refuses(gm)
+
+
+def test_a_graph_torch_would_bypass_is_named():
+    """A method called on a node with no fake value (a symbolic trace gives none) is what
+    torch's cache bypasses; the counters name it instead of a silent miss."""
+    from megatrain.compiler.aot_cache import torch_refuses
+
+    gm = torch.fx.symbolic_trace(lambda x: x.relu().sum())
+    assert "call_method" in (torch_refuses(gm) or ""), torch_refuses(gm)

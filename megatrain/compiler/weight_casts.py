@@ -51,6 +51,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import ops
+from .fx_match import _new
 
 _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch.float16,
                   "bfloat16": torch.bfloat16}
@@ -197,9 +198,8 @@ def retarget_weight_casts(gm: fx.GraphModule, params: list[torch.nn.Parameter], 
             continue
         for cast in casts:
             target, args, kwargs = _retargeted(cast, cast_target(cast), compute_dtype)
-            with graph.inserting_before(user):
-                new = graph.create_node(cast.op, target, args, kwargs)
-            new.meta.update({k: v for k, v in cast.meta.items() if k not in ("example_value", "val")})
+            with graph.inserting_before(user):   # with its fake value: AOTAutograd's cache wants one
+                new = _new(graph, cast.op, target, args, cast, kwargs)
             for key in ("custom", "nn_module_stack"):
                 if key in user.meta:
                     new.meta[key] = dict(user.meta[key])

@@ -30,9 +30,12 @@ def retargeted(monkeypatch):
     seen: list[list[str]] = []
     real = backend.retarget_weight_casts
 
-    def spy(*args, **kwargs):
-        changed = real(*args, **kwargs)
+    def spy(gm, params, compute_dtype, *args, **kwargs):
+        changed = real(gm, params, compute_dtype, *args, **kwargs)
         seen.append([str(n.target) for n in changed])
+        for op in changed:   # each new cast carries its fake value (AOTAutograd's cache wants one)
+            casts = [a for a in op.all_input_nodes if a.target in ("to", torch.Tensor.to)]
+            assert casts and all(c.meta["example_value"].dtype == compute_dtype for c in casts), op
         return changed
 
     monkeypatch.setattr(backend, "retarget_weight_casts", spy)

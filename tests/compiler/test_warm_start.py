@@ -43,6 +43,8 @@ _CHILD = textwrap.dedent("""
     if args.get("calibrated") or args.get("cuda"):   # the defaults a GPU compile runs with
         megatrain.config.probe_rates = megatrain.config.decision_cache = True
     megatrain.config.aot_cache = args.get("aot_cache", True)
+    if args.get("refused"):   # torch's cache would bypass the graph
+        aot_cache.torch_refuses = lambda gm: "a test's reason"
     if args.get("unmatched"):   # torch's entry is not the stored plan's graphs
         aot_cache._loaded_fx_keys = lambda compiled: ("another", "graph")
     if args.get("unrepeatable"):   # planning did something a later compile might not repeat
@@ -253,3 +255,13 @@ def test_a_graph_torch_would_bypass_is_named():
 
     gm = torch.fx.symbolic_trace(lambda x: x.relu().sum())
     assert "call_method" in (torch_refuses(gm) or ""), torch_refuses(gm)
+
+
+def test_a_graph_torchs_cache_would_bypass_is_counted_and_compiles_without_it(cold):
+    cache, first = cold
+    out = _run(cache, refused=True)
+    counted = out["megatrain"]
+    assert counted.get("not stored: torch bypasses the graph: a test's reason") == 2, counted
+    assert not {"reused", "stored"} & set(counted), counted
+    assert not {"autograd_cache_saved", "autograd_cache_hit"} & set(out["aot"]), out["aot"]
+    _trains_like(out, first)

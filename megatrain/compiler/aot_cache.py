@@ -144,15 +144,15 @@ class GraphCache:
             counters["off"] += 1
             return None
         tag = key_tag(cap, opts, sid)
+        if (refused := torch_refuses(cap.gm)) is not None:   # before reading an entry it could not use
+            counters[f"not stored: torch bypasses the graph: {refused}"] += 1
+            return cls(tag, None, ask=False)
         entry = _load(tag)
         if entry is None:
             counters["no entry"] += 1
         elif (stale := _what_changed(entry, cap, opts)) is not None:
             counters["stale"] += 1
             counters[f"stale: {stale}"] += 1
-            return cls(tag, None, ask=False)
-        if (refused := torch_refuses(cap.gm)) is not None:
-            counters[f"not stored: torch bypasses the graph: {refused}"] += 1
             return cls(tag, None, ask=False)
         return cls(tag, entry, ask=True)
 

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import MegatrainTypeError, MegatrainValueError, UnsupportedError
 from ..optim.registry import owner_of
 from . import ops
+from .fx_match import fake_value
 from .regions import Region, RegionMap, assign_regions
 
 _FACTORIES = {torch.arange, torch.zeros, torch.ones, torch.empty, torch.full, torch.rand,
@@ -275,14 +275,12 @@ def rehome(gm: fx.GraphModule, example_inputs, device: torch.device, streamer_id
 
 
 def _carry_value(src: fx.Node, moved: fx.Node, device: torch.device) -> None:
-    """Give a node moving `src` to `device` the fake value dynamo would have given it. Passes
-    read a node's value from its meta, and AOTAutograd's cache refuses (bypasses) a graph
-    where a method is called on a node without one: on a GPU every input is moved here, so
-    without this no GPU graph was ever cached across processes."""
-    value = src.meta.get("example_value")
-    if isinstance(value, FakeTensor):
-        with value.fake_mode:
-            moved.meta["example_value"] = value.to(device=device)
+    """Give a node moving `src` to `device` its fake value. AOTAutograd's cache refuses
+    (bypasses) a graph where a method is called on a node without one: on a GPU every
+    input is moved here, so without this no GPU graph was cached across processes."""
+    value = fake_value("call_method", "to", (src,), {"device": device})
+    if value is not None:
+        moved.meta["example_value"] = value
 
 
 def _fill_region_params(regions: list[Region], region_params, params, fqns) -> None:

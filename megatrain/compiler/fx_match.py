@@ -108,8 +108,9 @@ def _raw(a):
     return a.meta.get("example_value", a.meta.get("val"))
 
 
-def _fake_run(op: str, target, args, kwargs):
-    """The new node's example_value: run it on its inputs' fake values (None without them)."""
+def fake_value(op: str, target, args, kwargs):
+    """A new node's example_value, as dynamo would have given it: the node run on its
+    inputs' fake values (None where an input has none)."""
     inputs = []
     fx.node.map_arg((args, kwargs), inputs.append)
     if any(_raw(a) is None for a in inputs):
@@ -132,7 +133,7 @@ def _new(graph: fx.Graph, op: str, target, args, meta_from: fx.Node, kwargs=None
     kwargs = kwargs or {}
     node = graph.create_node(op, target, tuple(args), kwargs)
     node.meta.update({k: v for k, v in meta_from.meta.items() if k not in _VALUE_KEYS})
-    value = _fake_run(op, target, args, kwargs)
+    value = fake_value(op, target, args, kwargs)
     if value is not None:
         node.meta["example_value"] = value
     return node
